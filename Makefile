@@ -1,0 +1,33 @@
+# The README's two commands. Each bootstraps .venv on a fresh machine.
+# torch is pinned to 2.13.0 (the local CPU build): an unpinned torch pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+WORKDIR ?= runs/cpu_tiny
+ARGS ?=
+
+.PHONY: train test clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[hf]"
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(RUN_STAMP)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[hf,test]"
+	touch $@
+
+train: $(RUN_STAMP)
+	$(PY) launch.py --workdir $(WORKDIR) $(ARGS)
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest -n 2 -q tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,69 @@
+"""The embedded default: a tiny DeepSeek-architecture model on 8 simulated CPU devices.
+
+Run:    make train        (= python launch.py --workdir runs/cpu_tiny)
+Prints: a progress line every 25 steps (loss falling from ~6.2 to ~1.6 nats/token), then the
+        held-out loss, perplexity and bits per byte, and a greedy sample of Python-like text.
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config(arg=None):
+    del arg
+    c = ConfigDict()
+    c.model = ConfigDict(dict(
+        num_layers=6,        # decoder blocks (scanned)
+        hidden_size=256,     # model width D
+        num_heads=8,         # query heads H (head_dim = 32)
+        num_kv_heads=4,      # kv heads N: grouped-query attention, 2 query heads per kv head
+        mlp_dim=832,         # SwiGLU hidden width F (divisible by mesh.tensor)
+        vocab_size=512,      # 257 byte-tokenizer ids, padded so it divides mesh.tensor
+        rope_theta=10000.0,  # rotary base
+        norm_eps=1e-6,       # RMSNorm epsilon
+        init_std=0.02,       # normal init std of every matrix
+    ))
+    c.mesh = ConfigDict(dict(
+        data=4,              # data-parallel size
+        tensor=2,            # tensor-parallel size (heads, MLP, vocab)
+        pipeline=1,          # pipeline stages (1 until pipeline parallelism lands)
+        fsdp=False,          # also shard params/optimizer state over `data`
+    ))
+    c.data = ConfigDict(dict(
+        source="stdlib",     # the Python standard library's own .py files, byte tokens
+        path="",             # cache dir for the corpus ("" = WORKDIR/data/stdlib)
+        tokenizer="byte",    # byte-level tokens
+        seq_len=128,         # tokens per row
+        global_batch=16,     # rows per step across all devices
+        eval_batches=16,     # held-out batches per evaluation
+        prefetch=2,          # batches prefetched by Grain
+    ))
+    c.train = ConfigDict(dict(
+        steps=600,           # optimizer steps
+        log_every=25,        # steps between progress lines / metrics.jsonl records
+        seed=0,              # init and data-order seed
+        compute_dtype="float32",  # CPUs have no fast bf16 matmul
+        eval_every=0,        # 0: evaluate only at the end
+        sample_prompt="def ",  # greedy sample prompt printed after training
+        sample_tokens=96,    # tokens to generate
+    ))
+    c.optim = ConfigDict(dict(
+        name="adamw",        # optimizer
+        lr=3e-3,             # peak learning rate
+        warmup_steps=50,     # linear warmup steps
+        min_lr_ratio=0.1,    # cosine decays to lr * this
+        b1=0.9, b2=0.95, eps=1e-8,  # Adam moments
+        weight_decay=0.1,    # decoupled weight decay (not on norms)
+        clip_norm=1.0,       # global-norm gradient clipping (0 = off)
+    ))
+    c.remat = ConfigDict(dict(policy="none"))  # activation recomputation: none | full
+    c.checkpoint = ConfigDict(dict(
+        every=200,           # steps between checkpoints (and one at the end)
+        keep=2,              # checkpoints kept
+        async_save=True,     # save in the background
+        init_from="",        # start weights from another checkpoint (e.g. a converted HF model)
+    ))
+    c.metrics = ConfigDict(dict(
+        peak_flops_per_device=0.0,  # 0: measure a CPU matmul rate (MFU is relative to it)
+        tensorboard=True,    # write tensorboard/ event files
+    ))
+    return c

@@ -1,0 +1,49 @@
+"""DeepSeek-LLM-7B shapes: 30 layers, 4096 hidden, 32 heads (MHA), 11008 MLP, vocab 102400, seq 4096.
+
+6,910,365,696 parameters. Needs GPUs and a prepared corpus tokenized with the DeepSeek tokenizer:
+  python -m dsjax.data.prepare --input corpus.jsonl --format jsonl --tokenizer tokenizer.json --out data/ds
+  python launch.py --config configs/deepseek_7b.py --config.data.path=data/ds --workdir runs/ds7b
+Prints: one progress line every 10 steps with loss, tokens/s, ms/step and MFU against the bf16 peak.
+"""
+
+from ml_collections import ConfigDict
+
+
+def get_config(arg=None):
+    del arg
+    c = ConfigDict()
+    c.model = ConfigDict(dict(
+        num_layers=30,          # decoder blocks
+        hidden_size=4096,       # model width D
+        num_heads=32,           # query heads (head_dim 128)
+        num_kv_heads=32,        # multi-head attention (7B has no GQA)
+        mlp_dim=11008,          # SwiGLU hidden width
+        vocab_size=102400,      # DeepSeek tokenizer vocabulary
+        rope_theta=10000.0,     # rotary base
+        norm_eps=1e-6,          # RMSNorm epsilon
+        init_std=0.02,          # init std (initializer_range of the HF config)
+    ))
+    c.mesh = ConfigDict(dict(data=1, tensor=8, pipeline=1, fsdp=True))  # 8 GPUs, ZeRO-3 over data
+    c.data = ConfigDict(dict(
+        source="prepared",      # a directory written by `python -m dsjax.data.prepare`
+        path="data/deepseek",   # with train/ and eval/ splits
+        tokenizer="byte",       # informational; the prepared split records its tokenizer
+        seq_len=4096,           # tokens per row
+        global_batch=64,        # rows per step
+        eval_batches=16,        # held-out batches per evaluation
+        prefetch=2,             # batches prefetched by Grain
+    ))
+    c.train = ConfigDict(dict(
+        steps=1000, log_every=10, seed=0,   # optimizer steps, logging cadence, seed
+        compute_dtype="bfloat16",           # bf16 matmuls, float32 master weights
+        eval_every=0,                       # evaluate only at the end
+        sample_prompt="def ", sample_tokens=32,  # greedy sample after training
+    ))
+    c.optim = ConfigDict(dict(
+        name="adamw", lr=4.2e-4, warmup_steps=100, min_lr_ratio=0.1,  # DeepSeek-LLM 7B peak lr
+        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+    ))
+    c.remat = ConfigDict(dict(policy="full"))  # recompute each block: 7B activations at 4k are large
+    c.checkpoint = ConfigDict(dict(every=200, keep=3, async_save=True, init_from=""))
+    c.metrics = ConfigDict(dict(peak_flops_per_device=0.0, tensorboard=True))  # 0: datasheet peak
+    return c

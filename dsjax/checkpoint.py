@@ -1,0 +1,148 @@
+"""Orbax checkpoints: save, restore (onto any mesh), and start a run from another run's weights.
+
+The one idea: a checkpoint is a step directory managed by `ocp.CheckpointManager` with separate
+items, so a reader can take only what it needs:
+  params     the float32 master weights (StandardSave pytree)
+  opt_state  optimizer state and step counter
+  data       the data iterator position (JSON)
+  meta       the model config and step (JSON), checked before any array is read
+`dsjax.convert` writes `params` + `meta` only; such a checkpoint starts a run
+(`checkpoint.init_from`) but is not resumed as one.
+Restoring takes abstract arrays carrying the *target* shardings, so a checkpoint written on one
+mesh restores onto another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from dsjax.config import ModelConfig
+
+ITEMS = ("params", "opt_state", "data", "meta")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incompatible or corrupt; the message names it."""
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def model_meta(model: ModelConfig, step: int) -> dict[str, Any]:
+    return {"format": "dsjax-checkpoint-v1", "model": dataclasses.asdict(model), "step": int(step)}
+
+
+def check_model(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
+    """Fails with one message naming every model field that differs from the checkpoint's."""
+    saved = meta.get("model", {})
+    want = dataclasses.asdict(model)
+    shape_keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "mlp_dim", "vocab_size",
+                  "head_dim")
+    diffs = [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
+             for k in shape_keys if saved.get(k) != want[k]]
+    if diffs:
+        raise CheckpointError(f"{where} was written for a different model shape: " + "; ".join(diffs))
+
+
+class Checkpointer:
+    """Thin wrapper over `ocp.CheckpointManager` with dsjax's items."""
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params: Any, opt_state: Any, data_state: dict | None,
+             model: ModelConfig) -> None:
+        """Saves (asynchronously when enabled); refuses non-finite values."""
+        if not bool(all_finite(params)) or not bool(all_finite(opt_state)):
+            raise CheckpointError(f"refusing to save step {step}: parameters or optimizer state "
+                                  "contain NaN/Inf")
+        items = dict(params=ocp.args.StandardSave(params),
+                     opt_state=ocp.args.StandardSave(opt_state),
+                     meta=ocp.args.JsonSave(model_meta(model, step)))
+        if data_state is not None:
+            items["data"] = ocp.args.JsonSave(data_state)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return restored["meta"]
+
+    def restore(self, step: int, params: Any, opt_state: Any, model: ModelConfig
+                ) -> tuple[Any, Any, dict | None]:
+        """Restores onto the shardings of the given (abstract or concrete) params/opt_state."""
+        where = f"checkpoint step {step} in {self.directory}"
+        check_model(self.read_meta(step), model, where)
+        step_dir = os.path.join(self.directory, str(step))
+        has_data = os.path.isdir(os.path.join(step_dir, "data"))
+        items = dict(params=ocp.args.StandardRestore(_abstract(params)),
+                     opt_state=ocp.args.StandardRestore(_abstract(opt_state)))
+        if has_data:
+            items["data"] = ocp.args.JsonRestore()
+        if not os.path.isdir(os.path.join(step_dir, "opt_state")):
+            raise CheckpointError(f"{where} has no optimizer state (a converted weights-only "
+                                  "checkpoint?); start from it with --config.checkpoint.init_from")
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
+            raise CheckpointError(f"could not restore {where}: {type(e).__name__}: {e}") from e
+        return restored["params"], restored["opt_state"], restored.get("data") if has_data else None
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def restore_params(directory: str, params: Any, model: ModelConfig) -> Any:
+    """Loads only the weights of the latest step under `directory` (a run's `checkpoints/` dir,
+    a run workdir, or a converted checkpoint), onto the shardings of `params`."""
+    for candidate in (directory, os.path.join(directory, "checkpoints")):
+        if os.path.isdir(candidate) and ocp.CheckpointManager(candidate).latest_step() is not None:
+            directory = candidate
+            break
+    else:
+        raise CheckpointError(f"no checkpoint found in {directory!r}")
+    manager = ocp.CheckpointManager(directory)
+    step = manager.latest_step()
+    where = f"checkpoint step {step} in {directory}"
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    check_model(meta, model, where)
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(params))))
+    except Exception as e:
+        raise CheckpointError(f"could not restore params of {where}: {type(e).__name__}: {e}") from e
+    return restored["params"]
+
+
+def save_params(directory: str, params: Any, model: ModelConfig, step: int = 0) -> None:
+    """Writes a weights-only checkpoint (what `dsjax.convert` produces)."""
+    manager = ocp.CheckpointManager(os.path.abspath(directory),
+                                    options=ocp.CheckpointManagerOptions(create=True))
+    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                               meta=ocp.args.JsonSave(model_meta(model, step))),
+                 force=True)
+    manager.wait_until_finished()
+    manager.close()

@@ -1,0 +1,304 @@
+"""Config: an `ml_collections.ConfigDict` in, frozen and validated dataclasses out.
+
+The one idea: every check that can run before JAX touches a device runs here, and every failure is
+a `ConfigError` whose message starts with the dotted name of the offending field. Checks that need
+the device count live in `sharding.py` but raise the same error type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# Named in DESIGN.md's config surface but not built yet; rejected with a pointer, never ignored.
+PLANNED_DTYPES = {"fp8": "fp8 compute lands with the FP8 issue (#4)"}
+REMAT_POLICIES = ("none", "full")
+OPTIMIZERS = ("adamw",)
+PLANNED_OPTIMIZERS = {"onebit_adam": "1-bit Adam lands with its own issue (#6)"}
+DATA_SOURCES = ("stdlib", "prepared")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    vocab_size: int
+    head_dim: int = 0  # 0 means hidden_size // num_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    fsdp: bool = False  # also shard parameters and optimizer state over `data` (ZeRO-3 style)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    seq_len: int = 256
+    global_batch: int = 8
+    source: str = "stdlib"
+    path: str = ""
+    tokenizer: str = "byte"
+    eval_batches: int = 8
+    prefetch: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    log_every: int = 10
+    seed: int = 0
+    compute_dtype: str = "float32"
+    eval_every: int = 0
+    sample_prompt: str = "def "
+    sample_tokens: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+    policy: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    async_save: bool = True
+    init_from: str = ""  # an Orbax checkpoint dir (e.g. from `dsjax.convert`) to start a fresh run from
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    peak_flops_per_device: float = 0.0  # 0: look up the device kind, or measure on CPU
+    tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    model: ModelConfig
+    mesh: MeshConfig
+    data: DataConfig
+    train: TrainConfig
+    optim: OptimConfig
+    remat: RematConfig
+    checkpoint: CheckpointConfig
+    metrics: MetricsConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "remat": RematConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    raw = dict(raw.to_dict() if isinstance(raw, ml_collections.ConfigDict) else raw)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown config key; valid keys of `{name}` are "
+                          f"{', '.join(sorted(fields))}")
+    kwargs = {}
+    for key, field in fields.items():
+        if key not in raw:
+            if field.default is dataclasses.MISSING:
+                raise ConfigError(f"{name}.{key}: required but missing")
+            continue
+        value = raw[key]
+        expected = field.default if field.default is not dataclasses.MISSING else None
+        kwargs[key] = _coerce(f"{name}.{key}", value, field.type, expected)
+    return cls(**kwargs)
+
+
+def _coerce(path: str, value: Any, type_name: Any, default: Any) -> Any:
+    # Field annotations are strings under `from __future__ import annotations`.
+    kind = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", "")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _positive(path: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{path}: must be > 0, got {value}")
+
+
+def _non_negative(path: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"{path}: must be >= 0, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Device-independent checks. Mesh-vs-devices checks are in `sharding.validate_mesh`."""
+    m = cfg.model
+    for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+        _positive(f"model.{key}", getattr(m, key))
+    _non_negative("model.head_dim", m.head_dim)
+    if m.head_dim == 0 and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.num_heads: hidden_size {m.hidden_size} is not divisible by "
+                          f"num_heads {m.num_heads}; set model.head_dim explicitly")
+    if m.resolved_head_dim % 2:
+        raise ConfigError(f"model.head_dim: rotary embeddings need an even head dim, got "
+                          f"{m.resolved_head_dim}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads: num_heads {m.num_heads} is not a multiple of "
+                          f"num_kv_heads {m.num_kv_heads}")
+    _positive("model.rope_theta", m.rope_theta)
+    _positive("model.norm_eps", m.norm_eps)
+    _positive("model.init_std", m.init_std)
+
+    for key in ("data", "tensor", "pipeline"):
+        _positive(f"mesh.{key}", getattr(cfg.mesh, key))
+    if cfg.mesh.pipeline > 1:
+        raise ConfigError(f"mesh.pipeline: pipeline parallelism is not implemented yet (issue #7); "
+                          f"got {cfg.mesh.pipeline}, use 1")
+
+    d = cfg.data
+    _positive("data.seq_len", d.seq_len)
+    _positive("data.global_batch", d.global_batch)
+    _positive("data.eval_batches", d.eval_batches)
+    _non_negative("data.prefetch", d.prefetch)
+    if d.source not in DATA_SOURCES:
+        raise ConfigError(f"data.source: unknown source {d.source!r}; valid: {', '.join(DATA_SOURCES)}")
+    if d.source == "prepared" and not d.path:
+        raise ConfigError("data.path: required when data.source='prepared' (a directory written by "
+                          "`python -m dsjax.data.prepare`)")
+    if d.global_batch % cfg.mesh.data:
+        raise ConfigError(f"data.global_batch: {d.global_batch} is not divisible by mesh.data "
+                          f"{cfg.mesh.data}")
+
+    t = cfg.train
+    _positive("train.steps", t.steps)
+    _positive("train.log_every", t.log_every)
+    _non_negative("train.eval_every", t.eval_every)
+    _non_negative("train.sample_tokens", t.sample_tokens)
+    if t.compute_dtype in PLANNED_DTYPES:
+        raise ConfigError(f"train.compute_dtype: {PLANNED_DTYPES[t.compute_dtype]}; valid now: "
+                          f"{', '.join(COMPUTE_DTYPES)}")
+    if t.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"train.compute_dtype: unknown dtype {t.compute_dtype!r}; valid: "
+                          f"{', '.join(COMPUTE_DTYPES)}")
+
+    o = cfg.optim
+    if o.name in PLANNED_OPTIMIZERS:
+        raise ConfigError(f"optim.name: {PLANNED_OPTIMIZERS[o.name]}; valid now: {', '.join(OPTIMIZERS)}")
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name: unknown optimizer {o.name!r}; valid: {', '.join(OPTIMIZERS)}")
+    _positive("optim.lr", o.lr)
+    _non_negative("optim.warmup_steps", o.warmup_steps)
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optim.{key}: must be in [0, 1), got {getattr(o, key)}")
+    _positive("optim.eps", o.eps)
+    _non_negative("optim.weight_decay", o.weight_decay)
+    _non_negative("optim.clip_norm", o.clip_norm)
+
+    if cfg.remat.policy not in REMAT_POLICIES:
+        raise ConfigError(f"remat.policy: unknown policy {cfg.remat.policy!r}; valid: "
+                          f"{', '.join(REMAT_POLICIES)}")
+    _non_negative("checkpoint.every", cfg.checkpoint.every)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
+        raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
+    _non_negative("metrics.peak_flops_per_device", cfg.metrics.peak_flops_per_device)
+
+
+def from_config_dict(raw: ml_collections.ConfigDict | dict, name: str = "config") -> Config:
+    """Turns a ConfigDict (as loaded from `configs/NAME.py`) into a validated `Config`."""
+    raw = dict(raw.to_dict() if isinstance(raw, ml_collections.ConfigDict) else raw)
+    name = raw.pop("name", name)
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown config section; valid sections are "
+                          f"{', '.join(sorted(_SECTIONS))}")
+    if "model" not in raw:
+        raise ConfigError("model: the config has no model section")
+    sections = {key: _build_section(key, cls, raw.get(key)) for key, cls in _SECTIONS.items()}
+    cfg = Config(name=name, **sections)
+    validate(cfg)
+    return cfg
+
+
+def load(path_and_arg: str, overrides: dict[str, Any] | None = None) -> Config:
+    """Loads `configs/NAME.py[:ARG]` the way `launch.py --config` does; `overrides` maps dotted keys."""
+    path, _, arg = path_and_arg.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: no such config file {path!r}")
+    spec = importlib.util.spec_from_file_location(f"dsjax_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg_dict = module.get_config(arg) if arg else module.get_config()
+    for dotted, value in (overrides or {}).items():
+        node = cfg_dict
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    default_name = os.path.splitext(os.path.basename(path))[0] + (f":{arg}" if arg else "")
+    return from_config_dict(cfg_dict, name=cfg_dict.get("name", default_name))

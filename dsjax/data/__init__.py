@@ -1,0 +1,45 @@
+"""Text -> token shards on disk -> packed, shuffled, resumable Grain batches.
+
+Shards hold a tokenized document stream; packing into rows of `seq_len + 1` tokens happens at read
+time, so one prepared corpus serves every sequence length. Importing this package costs numpy only:
+Grain (which imports JAX) is loaded when a pipeline is first built.
+"""
+
+
+class DataError(ValueError):
+    """Bad input data: missing or corrupt file, bad line, too little data. Names the file."""
+
+
+# Submodules import DataError from here, so it must be defined before they are imported.
+from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
+from dsjax.data.shards import PackedSource, ShardWriter  # noqa: E402
+from dsjax.data.pipeline import (  # noqa: E402
+    eval_batches, make_example, train_dataset, train_iterator)
+from dsjax.data.stdlib_corpus import build_stdlib_corpus  # noqa: E402
+
+
+def __getattr__(name):
+    # `prepare` is loaded on first use: importing the module here would make
+    # `python -m dsjax.data.prepare` run it twice (runpy warns). The function is bound over the
+    # submodule attribute that the import sets, so `dsjax.data.prepare` is always the function.
+    if name == "prepare":
+        from dsjax.data.prepare import prepare  # pylint: disable=g-import-not-at-top
+        globals()["prepare"] = prepare
+        return prepare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DataError",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+    "PackedSource",
+    "ShardWriter",
+    "train_iterator",
+    "train_dataset",
+    "eval_batches",
+    "make_example",
+    "build_stdlib_corpus",
+    "prepare",
+]

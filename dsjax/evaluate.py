@@ -1,0 +1,150 @@
+"""Evaluation: held-out loss, perplexity, bits per byte, and a greedy continuation of a prompt.
+
+Bits per byte (byte tokenizer only) = total held-out NLL in bits / number of predicted byte
+tokens; the EOS predictions' NLL is counted in the numerator, so it is, if anything, pessimistic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax import checkpoint as ckpt
+from dsjax import metrics as mx
+from dsjax import sharding
+from dsjax.config import Config
+from dsjax.model import weighted_cross_entropy
+
+BYTE_VOCAB = 256  # ids below this are raw bytes in the byte tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    train: str
+    eval: str
+    tokenizer: str
+
+
+def data_splits(cfg: Config, workdir: str) -> Splits:
+    """The train and held-out split directories for `cfg.data` (builds the stdlib corpus once)."""
+    from dsjax.data import DataError, build_stdlib_corpus
+
+    if cfg.data.source == "stdlib":
+        if cfg.data.tokenizer != "byte":
+            raise DataError("data.tokenizer: the stdlib corpus is byte-tokenized; use 'byte'")
+        cache = cfg.data.path or os.path.join(workdir, "data", "stdlib")
+        train, held_out = build_stdlib_corpus(cache)
+        return Splits(train, held_out, "byte")
+    train, held_out = os.path.join(cfg.data.path, "train"), os.path.join(cfg.data.path, "eval")
+    for split in (train, held_out):
+        if not os.path.isfile(os.path.join(split, "meta.json")):
+            raise DataError(f"data.path: {split} is not a prepared split (no meta.json); run "
+                            f"`python -m dsjax.data.prepare --out {cfg.data.path} ...`")
+    import json
+    with open(os.path.join(train, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
+                        f"tokenizer vocabulary {meta['vocab_size']} ({train}/meta.json)")
+    return Splits(train, held_out, meta["tokenizer"])
+
+
+def _eval_step(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+    nll, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    byte_weights = batch["weights"] * (batch["targets"] < BYTE_VOCAB)
+    return nll, count, jnp.sum(byte_weights)
+
+
+def evaluate_params(trainer, params: Any, eval_dir: str, cfg: Config) -> dict[str, float]:
+    """Held-out loss (nats/token), perplexity and bits per byte over `data.eval_batches` batches."""
+    from dsjax.data import eval_batches
+
+    batches = eval_batches(eval_dir, cfg.data.seq_len, cfg.data.global_batch, cfg.data.eval_batches)
+    step = jax.jit(_eval_step, static_argnums=0)
+    nll = count = nbytes = 0.0
+    with sharding.activate(trainer.mesh, trainer.rules):
+        for b in batches:
+            out = step(trainer.model.apply, params, trainer.device_batch(_local(b)))
+            n, c, nb = (float(x) for x in jax.device_get(out))
+            nll, count, nbytes = nll + n, count + c, nbytes + nb
+    loss = nll / max(count, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
+            "eval_bits_per_byte": nll / math.log(2) / nbytes if nbytes else float("nan"),
+            "eval_tokens": count}
+
+
+def _local(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a global host batch."""
+    n = jax.process_count()
+    if n == 1:
+        return batch
+    rows = len(next(iter(batch.values()))) // n
+    i = jax.process_index()
+    return {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
+
+
+def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation. Recomputes the full window each token (no KV cache): fine for samples,
+    not a serving path. The prompt is replicated over the `data` axis so the batch divides it."""
+    seq = trainer.cfg.data.seq_len
+    rows = trainer.mesh.shape["data"]
+    apply_fn = trainer.model.apply
+
+    @jax.jit
+    def next_token(params, tokens_BS, length):
+        logits = apply_fn({"params": params}, tokens_BS)
+        return jnp.argmax(logits[:, length - 1], axis=-1)
+
+    ids = list(prompt_ids)[-seq:]
+    with sharding.activate(trainer.mesh, trainer.rules):
+        for _ in range(num_tokens):
+            window = ids[-seq:]
+            buf = np.zeros((rows, seq), np.int32)
+            buf[:, :len(window)] = window
+            tokens = jax.device_put(buf, sharding.batch_sharding(trainer.mesh))
+            ids.append(int(jax.device_get(next_token(params, tokens, len(window)))[0]))
+    return ids[len(prompt_ids):]
+
+
+def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workdir: str
+                        ) -> dict[str, Any]:
+    """Evaluates, samples, prints both, and merges the results into summary.json."""
+    from dsjax.data import load_tokenizer
+
+    results: dict[str, Any] = evaluate_params(trainer, params, splits.eval, cfg)
+    if splits.tokenizer != "byte":
+        results["eval_bits_per_byte"] = None  # only defined for the byte tokenizer
+    tokenizer = load_tokenizer(splits.tokenizer)
+    if cfg.train.sample_tokens:
+        prompt = [int(t) for t in tokenizer.encode(cfg.train.sample_prompt)]
+        out = generate(trainer, params, prompt, cfg.train.sample_tokens)
+        results["sample"] = cfg.train.sample_prompt + tokenizer.decode(out)
+    bpb = results["eval_bits_per_byte"]
+    mx.log(f"held-out: loss {results['eval_loss']:.4f} nats/token | perplexity "
+           f"{results['eval_perplexity']:.3f}" + (f" | {bpb:.4f} bits/byte" if bpb else "") +
+           f" | over {int(results['eval_tokens']):,} tokens")
+    if "sample" in results:
+        mx.log("sample (greedy):\n" + results["sample"])
+    mx.update_summary(workdir, results)
+    return results
+
+
+def run(cfg: Config, workdir: str) -> dict[str, Any]:
+    """`--mode eval`: restores the latest checkpoint in `workdir` (onto this config's mesh)."""
+    from dsjax.train import build_trainer
+
+    trainer = build_trainer(cfg)
+    with sharding.activate(trainer.mesh, trainer.rules):
+        shapes = jax.eval_shape(trainer.init_fn, jax.random.key(0))
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes.params, trainer.state_shardings.params)
+    params = ckpt.restore_params(workdir, abstract, cfg.model)
+    splits = data_splits(cfg, workdir)
+    return evaluate_and_report(trainer, params, splits, cfg, workdir)

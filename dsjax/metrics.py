@@ -1,0 +1,151 @@
+"""Throughput, MFU and the run's metric writers (console, metrics.jsonl, TensorBoard, summary.json).
+
+FLOPs convention (stated once, used everywhere): training FLOPs per token =
+  6 * N_matmul                      (forward 2N + backward 4N over every matmul weight, incl. the
+                                     output head; the embedding lookup is a gather, not a matmul)
++ 6 * L * S * H * K                 (attention scores and context: 12 * L * S * H * K for full
+                                     attention, halved because the mask is causal)
+MFU = achieved model FLOPs/s / (peak FLOPs/s per device * devices). On CPU there is no datasheet
+peak: we measure a float32 matmul rate on this machine once and label MFU as relative to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig
+
+# Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    D, H, N, K, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim,
+                     cfg.mlp_dim)
+    per_layer = D * H * K * 2 + D * N * K * 2 + 3 * D * F
+    return cfg.num_layers * per_layer + D * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) model FLOPs per token, causal attention."""
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
+    return 6 * matmul_params(cfg) + attention
+
+
+def peak_flops_per_device(override: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number comes from)."""
+    if override:
+        return override, "config"
+    device = jax.devices()[0]
+    for name, peak in PEAK_BF16.items():
+        if name in device.device_kind:
+            return peak, f"{name} bf16 datasheet"
+    if device.platform == "cpu":
+        return measured_cpu_matmul_rate() / len(jax.devices()), "measured CPU float32 matmul rate"
+    return float("nan"), f"unknown device {device.device_kind!r}"
+
+
+def measured_cpu_matmul_rate(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a float32 n x n matmul on this host (the whole machine: simulated CPU devices
+    share its cores, so each device's share is this divided by the device count)."""
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class MetricsWriter:
+    """Writes logged steps to the console, `metrics.jsonl` and TensorBoard (process 0 only)."""
+
+    def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True):
+        self.enabled = jax.process_index() == 0
+        self.total_steps = total_steps
+        self.history: list[dict[str, Any]] = []
+        self._jsonl = None
+        self._tb = None
+        if not self.enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # writes event files without TensorFlow
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, record: dict[str, Any], eta_s: float | None = None) -> None:
+        self.history.append(record)
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+            self._tb.flush()
+        line = (f"step {record['step']:>6}/{self.total_steps} | loss {record['loss']:.4f} | "
+                f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
+                f"{record['tokens_per_sec']:,.0f} tok/s | {record['step_ms']:.0f} ms/step | "
+                f"MFU {100 * record['mfu']:.1f}%")
+        if eta_s is not None:
+            line += f" | ETA {format_duration(eta_s)}"
+        print(line, flush=True)
+
+    def write_eval(self, step: int, values: dict[str, float]) -> None:
+        if self.enabled and self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"eval/{key}", value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+
+
+def median_of(history: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in history if key in r and r[key] is not None and math.isfinite(r[key])]
+    return statistics.median(values) if values else None
+
+
+def update_summary(workdir: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Merges `values` into `summary.json` (process 0 only); returns the merged summary."""
+    path = os.path.join(workdir, "summary.json")
+    summary = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    summary.update(values)
+    if jax.process_index() == 0:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    return summary
+
+
+def log(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, file=sys.stdout, flush=True)

@@ -1,0 +1,115 @@
+"""Layers of the DeepSeek-LLM (Llama-architecture) decoder: RMSNorm, RoPE, attention, SwiGLU MLP.
+
+Parameters are created in float32 with logical axis names; matmuls run in `dtype` (the compute
+dtype) with float32 accumulation where it matters (attention logits and softmax, norms). Numerics
+follow Hugging Face `LlamaForCausalLM`, our reference: RMSNorm in float32, rotate-half RoPE,
+query head h reads kv head h // R.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+
+def _param(module: nn.Module, name: str, shape: Sequence[int], names: Sequence[str],
+           init_std: float) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.normal(init_std), tuple(names))
+    return module.param(name, init, tuple(shape), jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale, computed in float32 whatever the input dtype."""
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (scale * y).astype(x.dtype)
+
+
+def apply_rope(x_BSHK: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (the pairs are (i, i + K/2))."""
+    head_dim = x_BSHK.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_BSk = positions_BS[..., None].astype(jnp.float32) * inv_freq
+    angles_BS1K = jnp.concatenate([angles_BSk, angles_BSk], axis=-1)[:, :, None, :]
+    x = x_BSHK.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * jnp.cos(angles_BS1K) + rotated * jnp.sin(angles_BS1K)).astype(x_BSHK.dtype)
+
+
+def attention_mask(segment_ids_BS: jax.Array) -> jax.Array:
+    """[B, S, T] True where query s may attend to key t: causal, and within the same document."""
+    seq = segment_ids_BS.shape[1]
+    causal_ST = jnp.tril(jnp.ones((seq, seq), dtype=jnp.bool_))
+    same_doc_BST = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
+    return causal_ST[None] & same_doc_BST
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention with a causal, segment-aware mask; no biases."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    init_std: float
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
+                 segment_ids_BS: jax.Array) -> jax.Array:
+        d_model = x_BSD.shape[-1]
+        H, N, K = self.num_heads, self.num_kv_heads, self.head_dim
+        R = H // N
+        w_q = _param(self, "q", (d_model, H, K), ("embed", "heads", "head_dim"), self.init_std)
+        w_k = _param(self, "k", (d_model, N, K), ("embed", "kv_heads", "head_dim"), self.init_std)
+        w_v = _param(self, "v", (d_model, N, K), ("embed", "kv_heads", "head_dim"), self.init_std)
+        w_o = _param(self, "o", (H, K, d_model), ("heads", "head_dim", "embed"), self.init_std)
+        x = x_BSD.astype(self.dtype)
+
+        q_BSHK = jnp.einsum("BSD,DHK->BSHK", x, w_q.astype(self.dtype))
+        k_BTNK = jnp.einsum("BSD,DNK->BSNK", x, w_k.astype(self.dtype))
+        v_BTNK = jnp.einsum("BSD,DNK->BSNK", x, w_v.astype(self.dtype))
+        q_BSHK = apply_rope(q_BSHK, positions_BS, self.rope_theta)
+        k_BTNK = apply_rope(k_BTNK, positions_BS, self.rope_theta)
+
+        B, S = x.shape[:2]
+        q_BSNRK = q_BSHK.reshape(B, S, N, R, K)
+        logits_BNRST = jnp.einsum("BSNRK,BTNK->BNRST", q_BSNRK, k_BTNK,
+                                  preferred_element_type=jnp.float32) * (K ** -0.5)
+        mask_B11ST = attention_mask(segment_ids_BS)[:, None, None]
+        logits_BNRST = jnp.where(mask_B11ST, logits_BNRST, jnp.finfo(jnp.float32).min)
+        probs_BNRST = jax.nn.softmax(logits_BNRST, axis=-1).astype(self.dtype)
+        ctx_BSNRK = jnp.einsum("BNRST,BTNK->BSNRK", probs_BNRST, v_BTNK)
+        ctx_BSHK = ctx_BSNRK.reshape(B, S, H, K)
+        return jnp.einsum("BSHK,HKD->BSD", ctx_BSHK, w_o.astype(self.dtype))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); no biases."""
+    mlp_dim: int
+    init_std: float
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        d_model, F = x_BSD.shape[-1], self.mlp_dim
+        w_gate = _param(self, "gate", (d_model, F), ("embed", "mlp"), self.init_std)
+        w_up = _param(self, "up", (d_model, F), ("embed", "mlp"), self.init_std)
+        w_down = _param(self, "down", (F, d_model), ("mlp", "embed"), self.init_std)
+        x = x_BSD.astype(self.dtype)
+        gate_BSF = jnp.einsum("BSD,DF->BSF", x, w_gate.astype(self.dtype))
+        up_BSF = jnp.einsum("BSD,DF->BSF", x, w_up.astype(self.dtype))
+        hidden_BSF = nn.with_logical_constraint(jax.nn.silu(gate_BSF) * up_BSF,
+                                                ("act_batch", "act_seq", "act_mlp"))
+        return jnp.einsum("BSF,FD->BSD", hidden_BSF, w_down.astype(self.dtype))

@@ -1,0 +1,41 @@
+"""AdamW with linear warmup + cosine decay, global-norm clipping and weight decay off the norms.
+
+The gradient norm used for clipping is the norm of the full (global) gradient: under GSPMD the
+gradients are already reduced over `data`, so `optax.clip_by_global_norm` sees the true norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import optax
+
+from dsjax.config import OptimConfig
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Any], Any]:
+    """0 -> lr linearly over `warmup_steps`, then cosine down to lr * min_lr_ratio at the end."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(params: Any) -> Any:
+    """True for weights that get weight decay: everything except norm scales."""
+    def keep(path, _):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return not any("norm" in n for n in names)
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int
+                   ) -> tuple[optax.GradientTransformation, Callable[[Any], Any]]:
+    schedule = make_schedule(cfg, total_steps)
+    parts = []
+    if cfg.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule

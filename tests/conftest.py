@@ -1,0 +1,45 @@
+"""Test setup: 8 simulated CPU devices, configured before the first `import jax`."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def tiny_overrides():
+    """A model small enough that a compile + a few steps take seconds on 2 cores."""
+    return {
+        "model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
+        "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
+        "data.seq_len": 32, "data.global_batch": 8, "data.eval_batches": 2,
+        "train.steps": 4, "train.log_every": 1, "train.sample_tokens": 4,
+        "optim.warmup_steps": 1, "checkpoint.every": 2,
+    }
+
+
+def random_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int = 257,
+                 docs_per_row: int = 2) -> dict[str, np.ndarray]:
+    """A host batch shaped like the data pipeline's: packed documents with segment ids."""
+    tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+    seg = np.ones((batch, seq + 1), np.int32)
+    for r in range(batch):
+        for cut in sorted(rng.choice(np.arange(1, seq), docs_per_row - 1, replace=False)):
+            seg[r, cut:] += 1
+    positions = np.zeros((batch, seq), np.int32)
+    for r in range(batch):
+        for s in range(1, seq):
+            positions[r, s] = 0 if seg[r, s] != seg[r, s - 1] else positions[r, s - 1] + 1
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg[:, :-1],
+            "positions": positions, "weights": (seg[:, :-1] == seg[:, 1:]).astype(np.float32)}
+
+
+jax.config.update("jax_default_matmul_precision", "highest")

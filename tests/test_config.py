@@ -1,0 +1,102 @@
+"""Configs load, build their abstract model, and every invalid combination names its field."""
+
+import glob
+import os
+
+import jax
+import pytest
+
+from conftest import ROOT
+from dsjax import config as config_lib
+from dsjax import sharding
+from dsjax.config import ConfigError
+from dsjax.model.decoder import abstract_params, count_params
+
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_loads_and_builds_abstract_model(path):
+    cfg = config_lib.load(path)
+    params = abstract_params(cfg.model)  # eval_shape: the 7B config costs no memory
+    assert count_params(params) > 0
+    names = jax.tree.leaves(jax.tree.map(lambda p: p.names, params,
+                                         is_leaf=lambda x: hasattr(x, "names")))
+    assert names, "every parameter must carry logical axis names"
+
+
+def test_smoke_variant_of_optimized_config_loads():
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "h100_fp8.py") + ":smoke")
+    assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == 8
+
+
+def test_deepseek_7b_parameter_count_is_exact():
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "deepseek_7b.py"))
+    assert count_params(abstract_params(cfg.model)) == 6_910_365_696
+
+
+def _tiny(**overrides):
+    base = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
+            "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512}
+    base.update(overrides)
+    return config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), base)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"mesh.data": 2}, "mesh"),  # 2*2*1 != 8 devices
+    ({"mesh.tensor": 8, "mesh.data": 1, "model.num_heads": 12, "model.num_kv_heads": 4,
+      "model.hidden_size": 96}, "model.num_heads"),
+    ({"mesh.tensor": 4, "mesh.data": 2, "model.num_kv_heads": 2}, "model.num_kv_heads"),
+    ({"model.mlp_dim": 129}, "model.mlp_dim"),
+    ({"model.vocab_size": 257}, "model.vocab_size"),
+])
+def test_invalid_mesh_combinations_name_the_field(overrides, field):
+    cfg = _tiny(**overrides)
+    with pytest.raises(ConfigError) as err:
+        sharding.make_mesh(cfg)
+    assert str(err.value).startswith(field), str(err.value)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"data.global_batch": 6}, "data.global_batch"),        # not divisible by mesh.data = 4
+    ({"mesh.pipeline": 2, "mesh.data": 2}, "mesh.pipeline"),
+    ({"model.num_kv_heads": 3}, "model.num_kv_heads"),      # 4 heads over 3 kv heads
+    ({"model.hidden_size": 66}, "model.num_heads"),         # 66 / 4 heads
+    ({"model.num_layers": 0}, "model.num_layers"),
+    ({"train.compute_dtype": "fp8"}, "train.compute_dtype"),
+    ({"train.compute_dtype": "int4"}, "train.compute_dtype"),
+    ({"optim.name": "sgd"}, "optim.name"),
+    ({"remat.policy": "sometimes"}, "remat.policy"),
+    ({"data.source": "web"}, "data.source"),
+    ({"optim.lr": -1.0}, "optim.lr"),
+    ({"train.steps": 0}, "train.steps"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep"),
+])
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        _tiny(**overrides)
+    assert str(err.value).startswith(field), str(err.value)
+
+
+def test_unknown_keys_and_sections_are_rejected():
+    path = os.path.join(ROOT, "configs", "cpu_tiny.py")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cpu_tiny_cfg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bad_key = module.get_config()
+    bad_key.model.num_layer = 3  # typo of num_layers
+    with pytest.raises(ConfigError, match=r"^model\.num_layer: unknown config key.*num_layers"):
+        config_lib.from_config_dict(bad_key)
+    bad_section = module.get_config()
+    bad_section.fp16 = {"enabled": True}
+    with pytest.raises(ConfigError, match=r"^fp16: unknown config section"):
+        config_lib.from_config_dict(bad_section)
+
+
+def test_wrong_type_names_the_field():
+    raw = config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py")).to_dict()
+    raw.pop("name")
+    raw["train"]["steps"] = "ten"
+    with pytest.raises(ConfigError, match=r"^train\.steps: expected an integer"):
+        config_lib.from_config_dict(raw)
