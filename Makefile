@@ -27,7 +27,7 @@ train: $(RUN_STAMP)
 	$(PY) launch.py --workdir $(WORKDIR) $(ARGS)
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 --dist loadfile -q tests
 
 clean:
 	rm -rf runs .pytest_cache

@@ -43,3 +43,28 @@ def random_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int = 25
 
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+TINY_FLAGS = {
+    "model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
+    "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
+    "data.seq_len": 32, "data.global_batch": 8, "data.eval_batches": 2,
+    "train.steps": 4, "train.log_every": 1, "train.sample_tokens": 4,
+    "optim.warmup_steps": 1, "checkpoint.every": 2,
+}
+
+
+def run_launch(workdir, overrides=None, mode="train", config="configs/cpu_tiny.py", timeout=600,
+               xla_flags=None):
+    """Runs `python launch.py` as a user would; returns the CompletedProcess. Without `xla_flags`
+    launch.py gives itself as many simulated CPU devices as the mesh needs."""
+    import subprocess
+    import sys
+    flags = {**TINY_FLAGS, **(overrides or {})}
+    cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
+           f"--workdir={workdir}", f"--mode={mode}"]
+    cmd += [f"--config.{k}={v}" for k, v in flags.items()]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
