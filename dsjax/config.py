@@ -15,10 +15,11 @@ from typing import Any
 
 import ml_collections
 
+from dsjax import remat
+
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Named in DESIGN.md's config surface but not built yet; rejected with a pointer, never ignored.
 PLANNED_DTYPES = {"fp8": "fp8 compute lands with the FP8 issue (#4)"}
-REMAT_POLICIES = ("none", "full")
 OPTIMIZERS = ("adamw",)
 PLANNED_OPTIMIZERS = {"onebit_adam": "1-bit Adam lands with its own issue (#6)"}
 DATA_SOURCES = ("stdlib", "prepared")
@@ -91,7 +92,10 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RematConfig:
-    policy: str = "none"
+    policy: str = "none"  # see dsjax/remat.py; "auto" picks one under memory_budget_gb
+    layers: str = "all"   # all | every_N | one policy per layer, comma-separated
+    memory_budget_gb: float = 0.0  # "auto" only: per-device budget for temporaries (0 = 90% of
+                                   # the device's memory where it reports it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +263,16 @@ def validate(cfg: Config) -> None:
     _non_negative("optim.weight_decay", o.weight_decay)
     _non_negative("optim.clip_norm", o.clip_norm)
 
-    if cfg.remat.policy not in REMAT_POLICIES:
-        raise ConfigError(f"remat.policy: unknown policy {cfg.remat.policy!r}; valid: "
-                          f"{', '.join(REMAT_POLICIES)}")
+    try:
+        if cfg.remat.policy == "auto":
+            if cfg.remat.layers != "all":
+                raise ConfigError("remat.layers: 'auto' chooses the layer pattern too; leave "
+                                  "remat.layers at 'all'")
+        else:
+            remat.layer_policies(cfg.remat.policy, cfg.remat.layers, m.num_layers)
+    except remat.RematError as e:
+        raise ConfigError(str(e)) from None
+    _non_negative("remat.memory_budget_gb", cfg.remat.memory_budget_gb)
     _non_negative("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):

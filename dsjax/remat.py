@@ -1,23 +1,121 @@
-"""Activation recomputation policies for the scanned decoder block.
+"""Activation recomputation: named policies and per-layer patterns for the scanned decoder.
 
-The spine offers `none` (save everything) and `full` (save nothing, recompute the block in the
-backward pass). Selective policies and per-layer patterns build on `block_policy` (issue #5).
+The one idea: a policy decides which intermediates of a decoder block are *saved* for the
+backward pass; everything else is recomputed. Policies are `jax.checkpoint` policies, and the
+block tags its intermediates with `checkpoint_name` so policies can name them:
+
+  q_proj, k_proj, v_proj   projections after RoPE            [B, S, H|N, K]
+  attn_context             softmax(qk) v, before o           [B, S, H, K]
+  attn_out                 output projection                 [B, S, D]
+  mlp_gate, mlp_up         the two input projections         [B, S, F]
+  mlp_hidden               silu(gate) * up                   [B, S, F]
+  mlp_out                  down projection                   [B, S, D]
+
+Policies (`remat.policy`):
+  none            save everything (no recomputation)
+  full            save nothing; the whole block is recomputed (one extra forward)
+  dots            save every matmul output (jax's `checkpoint_dots`)
+  dots_no_batch   save matmul outputs without batch dims (weights-like dots), recompute the rest
+  attention_core  save every tagged tensor except the attention core (Megatron-LM's selective
+                  recompute: the S x S logits/softmax are recomputed, the projections are not)
+  names:a,b,...   save only the named tensors
+  offload:a,b,... save the named tensors by offloading them to host memory (on CPU offloading is
+                  a no-op: the table shows the same memory as `names:`)
+
+Layer patterns (`remat.layers`), implemented by scanning over groups of layers so the loop stays
+a scan: `all` (the policy on every layer), `every_N` (layer i is recomputed when i % N == N - 1,
+the others save everything: `every_2` is the recipe's "save layer 1, recompute layer 2, ..."),
+or an explicit comma list of one policy per layer (`none,full,none,full`), whose shortest
+repeating period becomes the group.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-import jax
-
-_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
+TAGS = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out", "mlp_gate", "mlp_up",
+        "mlp_hidden", "mlp_out")
+ATTENTION_CORE = ("attn_context",)
+POLICIES = ("none", "full", "dots", "dots_no_batch", "attention_core", "names:", "offload:")
 
 
-def block_policy(name: str) -> tuple[bool, Callable | None]:
-    """(whether to wrap the block in `jax.checkpoint`, the policy to pass it)."""
-    if name not in _POLICIES:
-        raise ValueError(f"remat.policy: unknown policy {name!r}; valid: {', '.join(_POLICIES)}")
-    return name != "none", _POLICIES[name]
+class RematError(ValueError):
+    """An unknown policy or pattern; the message lists the valid ones."""
+
+
+def _names(spec: str, prefix: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in spec[len(prefix):].split(",") if n.strip())
+    unknown = [n for n in names if n not in TAGS]
+    if unknown or not names:
+        raise RematError(f"remat.policy: {spec!r} names unknown tensors {unknown}; "
+                         f"taggable tensors are {', '.join(TAGS)}")
+    return names
+
+
+def checkpoint_policy(name: str) -> tuple[bool, Callable | None]:
+    """(wrap the block in `jax.checkpoint`?, the policy) for one policy name."""
+    import jax  # local: config validation uses this module before JAX may be imported
+
+    cp = jax.checkpoint_policies
+    if name == "none":
+        return False, None
+    if name == "full":
+        return True, cp.nothing_saveable
+    if name == "dots":
+        return True, cp.checkpoint_dots
+    if name == "dots_no_batch":
+        return True, cp.dots_with_no_batch_dims_saveable
+    if name == "attention_core":
+        return True, cp.save_only_these_names(*[t for t in TAGS if t not in ATTENTION_CORE])
+    if name.startswith("names:"):
+        return True, cp.save_only_these_names(*_names(name, "names:"))
+    if name.startswith("offload:"):
+        return True, cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(_names(name, "offload:")),
+            offload_src="device", offload_dst="pinned_host")
+    raise RematError(f"remat.policy: unknown policy {name!r}; valid: none, full, dots, "
+                     "dots_no_batch, attention_core, names:<tags>, offload:<tags>, auto")
+
+
+def validate_policy(name: str) -> None:
+    """Checks a policy name without building it (no JAX import)."""
+    if name in ("none", "full", "dots", "dots_no_batch", "attention_core"):
+        return
+    for prefix in ("names:", "offload:"):
+        if name.startswith(prefix):
+            _names(name, prefix)
+            return
+    raise RematError(f"remat.policy: unknown policy {name!r}; valid: none, full, dots, "
+                     "dots_no_batch, attention_core, names:<tags>, offload:<tags>, auto")
+
+
+def layer_policies(policy: str, layers: str, num_layers: int) -> tuple[str, ...]:
+    """The policy of each layer, from `remat.policy` and the `remat.layers` pattern."""
+    validate_policy(policy)
+    if layers == "all":
+        return (policy,) * num_layers
+    if layers.startswith("every_"):
+        try:
+            n = int(layers[len("every_"):])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise RematError(f"remat.layers: {layers!r} needs a positive integer, e.g. every_2")
+        return tuple(policy if i % n == n - 1 else "none" for i in range(num_layers))
+    per_layer = tuple(p.strip() for p in layers.split(","))
+    if len(per_layer) != num_layers:
+        raise RematError(f"remat.layers: the explicit list has {len(per_layer)} entries but "
+                         f"model.num_layers is {num_layers}; or use all / every_N")
+    for p in per_layer:
+        validate_policy(p)
+    return per_layer
+
+
+def group_pattern(per_layer: tuple[str, ...]) -> tuple[str, ...]:
+    """The shortest period of the per-layer policies that divides the layer count: the scan
+    runs over groups of this many layers, each layer of a group with its own policy."""
+    n = len(per_layer)
+    for g in range(1, n + 1):
+        if n % g == 0 and per_layer == per_layer[:g] * (n // g):
+            return per_layer[:g]
+    return per_layer

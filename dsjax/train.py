@@ -9,7 +9,6 @@ and a donated state. The host reads step n-1's metrics after it has dispatched s
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from dsjax import checkpoint as ckpt
+from dsjax import remat
 from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
@@ -105,8 +105,14 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     mesh = sharding.make_mesh(cfg) if mesh is None else mesh
     sharding.validate_mesh(cfg, mesh.size)
     rules = sharding.logical_rules(cfg.mesh.fsdp)
+    if cfg.remat.policy == "auto":
+        from dsjax import remat_plan  # compiles candidate policies; only needed for "auto"
+        policy, layers, _ = remat_plan.choose(cfg, mesh, log=mx.log)
+        cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy,
+                                                                 layers=layers))
     model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
-                        remat_policy=cfg.remat.policy)
+                        layer_policies=remat.layer_policies(cfg.remat.policy, cfg.remat.layers,
+                                                            cfg.model.num_layers))
     tx, lr_fn = make_optimizer(cfg.optim, cfg.train.steps)
     dummy = jnp.zeros((1, min(cfg.data.seq_len, 8)), jnp.int32)
 
@@ -262,7 +268,3 @@ def losses_for(cfg: Config, batches: list[dict[str, np.ndarray]], mesh: Mesh | N
         state, m = trainer.step(state, trainer.device_batch(b))
         losses.append(float(m["loss"]))
     return losses, state
-
-
-def finite_or_nan(x: float) -> float:
-    return x if math.isfinite(x) else float("nan")

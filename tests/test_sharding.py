@@ -36,17 +36,19 @@ def _losses(overrides, devices, batches):
 def test_sharded_run_matches_single_device(mesh, model):
     data, tensor, fsdp = mesh
     rng = np.random.default_rng(0)
-    batches = [random_batch(rng, 8, 32) for _ in range(3)]
+    batches = [random_batch(rng, 8, 32)] * 3  # one batch repeated, so the loss must fall
     single, p1 = _losses({"mesh.data": 1, "mesh.tensor": 1, **model}, jax.devices()[:1], batches)
     sharded, p8 = _losses({"mesh.data": data, "mesh.tensor": tensor, "mesh.fsdp": fsdp, **model},
                           jax.devices(), batches)
-    assert single[-1] < single[0]  # it trains
+    assert single[-1] < single[0] - 1e-3  # it trains
     # float32: only the summation order differs between meshes.
     np.testing.assert_allclose(sharded, single, rtol=1e-5)
     # Adam divides by sqrt(v): for an element whose gradient is ~0, float32 rounding of the
-    # gradient shows up at the scale of the update (lr = 1e-2), so atol is 1e-3 of one update.
+    # gradient can flip the update's sign, so a handful of elements may differ by ~lr. Compare
+    # whole tensors (relative Frobenius norm; measured <= 1.2e-5 here), which any sharding bug
+    # (a wrong head or shard mapping) would move by O(1).
     for a, b in zip(jax.tree.leaves(p8), jax.tree.leaves(p1)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-4
 
 
 def test_parameters_are_sharded_as_the_rules_say():

@@ -1,7 +1,7 @@
 """The DeepSeek-LLM decoder: embedding, a scanned stack of pre-norm blocks, final norm, output head.
 
-Layers are scanned (`nn.scan`), so every block parameter carries a leading "layers" axis and
-compile time does not grow with depth. The input embedding and the output head are untied.
+Layers are scanned (`lax.scan` over groups of layers), so every block parameter carries a leading
+"layers" axis and compile time does not grow with depth. The input embedding and the output head are untied.
 """
 
 from __future__ import annotations
@@ -45,10 +45,44 @@ class DecoderBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens [B, S] -> float32 logits [B, S, V]."""
+    """tokens [B, S] -> float32 logits [B, S, V].
+
+    `layer_policies` gives each layer's remat policy (see dsjax/remat.py; empty = none). The
+    stack is a `lax.scan` over groups of layers (the shortest repeating period of the policies),
+    so per-layer recomputation patterns keep the loop a scan and the params keep one layout:
+    every block parameter has a leading "layers" axis of length num_layers.
+    """
     cfg: ModelConfig
     dtype: Any = jnp.float32
-    remat_policy: str = "none"
+    layer_policies: tuple[str, ...] = ()
+    scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
+
+    def _block(self) -> DecoderBlock:
+        cfg = self.cfg
+        return DecoderBlock(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                            cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype)
+
+    def _init_stack(self, rng: jax.Array) -> Any:
+        """Per-layer block params stacked on a new leading "layers" axis (boxed with names)."""
+        cfg = self.cfg
+        x = jnp.zeros((1, 1, cfg.hidden_size), self.dtype)
+        pos, seg = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
+        keys = jax.random.split(rng, cfg.num_layers)
+        stacked = jax.vmap(lambda k: self._block().init(k, x, pos, seg)["params"])(keys)
+        return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), stacked,
+                            is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+
+    def _layer_fn(self, policy: str, positions_BS, segment_ids_BS):
+        block = self._block()
+
+        def apply(x_BSD, params):
+            return block.apply({"params": params}, x_BSD, positions_BS, segment_ids_BS)[0]
+
+        use_remat, checkpoint_policy = remat.checkpoint_policy(policy)
+        if not use_remat:
+            return apply
+        # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.
+        return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.scan_unroll)
 
     @nn.compact
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
@@ -63,16 +97,21 @@ class Transformer(nn.Module):
         x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0).astype(self.dtype)
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
 
-        block = DecoderBlock
-        use_remat, policy = remat.block_policy(self.remat_policy)
-        if use_remat:
-            block = nn.remat(block, policy=policy, prevent_cse=False)
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
-                        metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BSD, _ = stack(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
-                         cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype,
-                         name="layers")(x_BSD, positions_BS, segment_ids_BS)
+        stack = self.param("layers", self._init_stack)
+        policies = self.layer_policies or ("none",) * cfg.num_layers
+        if len(policies) != cfg.num_layers:
+            raise ValueError(f"{len(policies)} layer policies for {cfg.num_layers} layers")
+        pattern = remat.group_pattern(tuple(policies))
+        fns = [self._layer_fn(p, positions_BS, segment_ids_BS) for p in pattern]
+        G = len(pattern)
+        grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // G, G, *a.shape[1:]), stack)
+
+        def group_body(x_BSD, group_params):
+            for g, fn in enumerate(fns):
+                x_BSD = fn(x_BSD, jax.tree.map(lambda a, g=g: a[g], group_params))
+            return x_BSD, None
+
+        x_BSD, _ = jax.lax.scan(group_body, x_BSD, grouped, unroll=bool(self.scan_unroll))
 
         x_BSD = RMSNorm(cfg.norm_eps, name="final_norm")(x_BSD)
         head_DV = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Dtype = Any
 
@@ -80,8 +81,10 @@ class Attention(nn.Module):
         q_BSHK = jnp.einsum("BSD,DHK->BSHK", x, w_q.astype(self.dtype))
         k_BTNK = jnp.einsum("BSD,DNK->BSNK", x, w_k.astype(self.dtype))
         v_BTNK = jnp.einsum("BSD,DNK->BSNK", x, w_v.astype(self.dtype))
-        q_BSHK = apply_rope(q_BSHK, positions_BS, self.rope_theta)
-        k_BTNK = apply_rope(k_BTNK, positions_BS, self.rope_theta)
+        # Tags name what remat policies may save (see dsjax/remat.py).
+        q_BSHK = checkpoint_name(apply_rope(q_BSHK, positions_BS, self.rope_theta), "q_proj")
+        k_BTNK = checkpoint_name(apply_rope(k_BTNK, positions_BS, self.rope_theta), "k_proj")
+        v_BTNK = checkpoint_name(v_BTNK, "v_proj")
 
         B, S = x.shape[:2]
         q_BSNRK = q_BSHK.reshape(B, S, N, R, K)
@@ -91,8 +94,9 @@ class Attention(nn.Module):
         logits_BNRST = jnp.where(mask_B11ST, logits_BNRST, jnp.finfo(jnp.float32).min)
         probs_BNRST = jax.nn.softmax(logits_BNRST, axis=-1).astype(self.dtype)
         ctx_BSNRK = jnp.einsum("BNRST,BTNK->BSNRK", probs_BNRST, v_BTNK)
-        ctx_BSHK = ctx_BSNRK.reshape(B, S, H, K)
-        return jnp.einsum("BSHK,HKD->BSD", ctx_BSHK, w_o.astype(self.dtype))
+        ctx_BSHK = checkpoint_name(ctx_BSNRK.reshape(B, S, H, K), "attn_context")
+        return checkpoint_name(jnp.einsum("BSHK,HKD->BSD", ctx_BSHK, w_o.astype(self.dtype)),
+                               "attn_out")
 
 
 class SwiGLU(nn.Module):
@@ -108,8 +112,11 @@ class SwiGLU(nn.Module):
         w_up = _param(self, "up", (d_model, F), ("embed", "mlp"), self.init_std)
         w_down = _param(self, "down", (F, d_model), ("mlp", "embed"), self.init_std)
         x = x_BSD.astype(self.dtype)
-        gate_BSF = jnp.einsum("BSD,DF->BSF", x, w_gate.astype(self.dtype))
-        up_BSF = jnp.einsum("BSD,DF->BSF", x, w_up.astype(self.dtype))
+        gate_BSF = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_gate.astype(self.dtype)),
+                                   "mlp_gate")
+        up_BSF = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_up.astype(self.dtype)), "mlp_up")
         hidden_BSF = nn.with_logical_constraint(jax.nn.silu(gate_BSF) * up_BSF,
                                                 ("act_batch", "act_seq", "act_mlp"))
-        return jnp.einsum("BSF,FD->BSD", hidden_BSF, w_down.astype(self.dtype))
+        hidden_BSF = checkpoint_name(hidden_BSF, "mlp_hidden")
+        return checkpoint_name(jnp.einsum("BSF,FD->BSD", hidden_BSF, w_down.astype(self.dtype)),
+                               "mlp_out")

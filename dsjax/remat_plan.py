@@ -1,0 +1,145 @@
+"""Measured costs of recomputation policies, and the `remat.policy = "auto"` planner.
+
+The one idea: compile, never run. For a policy we compile the forward+backward of the loss on
+abstract inputs and read temp memory from `compiled.memory_analysis()` and FLOPs from
+`compiled.cost_analysis()`. Both are measured at two small depths and extrapolated linearly to
+the real depth, because:
+  - `cost_analysis()` counts a scan body once whatever its trip count, so FLOPs are measured on
+    *unrolled* stacks of 1 and 2 layer groups (exact) and scaled to num_layers / group;
+  - temp memory of a scanned stack grows by the activations saved per group, so it is measured on
+    scanned stacks of 2 and 3 groups (a trip count of 1 lets XLA drop the loop) and scaled.
+This keeps a 7B-width table to a few layers' compile time and no allocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from dsjax import remat, sharding
+from dsjax.config import Config, ConfigError
+
+# (policy, layers) pairs the planner considers, from no recomputation to full recomputation.
+CANDIDATES = (("none", "all"), ("dots", "all"), ("dots_no_batch", "all"),
+              ("attention_core", "all"), ("attention_core", "every_2"), ("full", "every_2"),
+              ("full", "all"))
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCost:
+    policy: str
+    layers: str
+    temp_bytes: int           # predicted per-device temp memory of fwd+bwd at full depth
+    flops: float              # predicted fwd+bwd FLOPs (whole program, all devices) at full depth
+    per_layer_temp_bytes: float
+    per_layer_flops: float
+
+
+def _with_depth(cfg: Config, policy: str, layers: str, groups: int) -> tuple[Config, int]:
+    per_layer = remat.layer_policies(policy, layers, cfg.model.num_layers)
+    pattern = remat.group_pattern(per_layer)
+    depth = len(pattern) * groups
+    layers_spec = layers if layers in ("all",) or layers.startswith("every_") else \
+        ",".join(pattern * groups)
+    model = dataclasses.replace(cfg.model, num_layers=depth)
+    rem = dataclasses.replace(cfg.remat, policy=policy, layers=layers_spec)
+    return dataclasses.replace(cfg, model=model, remat=rem), len(pattern)
+
+
+def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
+    """Compiles value_and_grad of the training loss for `cfg` on abstract, sharded inputs."""
+    from dsjax.model import Transformer
+    from dsjax.train import loss_fn
+
+    rules = sharding.logical_rules(cfg.mesh.fsdp)
+    policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, cfg.model.num_layers)
+    model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
+                        layer_policies=policies, scan_unroll=unroll)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    boxed = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+    shardings = sharding.param_shardings(boxed, mesh, rules)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nn.unbox(boxed), shardings)
+    shape = (cfg.data.global_batch, cfg.data.seq_len)
+    bs = sharding.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=bs)
+             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, model.apply, b)[0])
+    with sharding.activate(mesh, rules):
+        return jax.jit(grad_fn, out_shardings=(sharding.replicated(mesh), shardings)).lower(
+            params, batch).compile()
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+@functools.lru_cache(maxsize=64)  # configs and meshes are hashable; compiling is the cost
+def measure(cfg: Config, mesh: Mesh, policy: str, layers: str) -> PolicyCost:
+    """Predicted temp memory and FLOPs of one (policy, layers) choice at cfg's full depth."""
+    costs = {}
+    for groups in (1, 2):
+        small, group = _with_depth(cfg, policy, layers, groups)
+        costs[("flops", groups)] = _flops(compile_grad(small, mesh, unroll=True))
+    for groups in (2, 3):
+        small, group = _with_depth(cfg, policy, layers, groups)
+        costs[("temp", groups)] = compile_grad(small, mesh).memory_analysis().temp_size_in_bytes
+    n_groups = cfg.model.num_layers / group
+    per_group_flops = costs[("flops", 2)] - costs[("flops", 1)]
+    flops = costs[("flops", 1)] + (n_groups - 1) * per_group_flops
+    per_group_temp = costs[("temp", 3)] - costs[("temp", 2)]
+    temp = costs[("temp", 2)] + (n_groups - 2) * per_group_temp
+    return PolicyCost(policy, layers, int(temp), flops, per_group_temp / group,
+                      per_group_flops / group)
+
+
+def static_bytes_per_device(cfg: Config, mesh: Mesh) -> float:
+    """Params + gradients + two Adam moments in float32, over the devices that shard them."""
+    from dsjax.model.decoder import abstract_params, count_params
+
+    n = count_params(abstract_params(cfg.model))
+    shards = mesh.shape["tensor"] * (mesh.shape["data"] if cfg.mesh.fsdp else 1)
+    return 16.0 * n / shards
+
+
+def device_memory_bytes() -> float | None:
+    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def choose(cfg: Config, mesh: Mesh, log=print) -> tuple[str, str, list[PolicyCost]]:
+    """The cheapest (fewest FLOPs) candidate whose predicted memory fits the budget."""
+    if cfg.remat.memory_budget_gb:
+        budget = cfg.remat.memory_budget_gb * 2 ** 30
+    else:
+        limit = device_memory_bytes()
+        if limit is None:
+            raise ConfigError("remat.memory_budget_gb: required for remat.policy='auto' on "
+                              "devices that do not report their memory (e.g. CPU)")
+        budget = 0.9 * limit
+    static = static_bytes_per_device(cfg, mesh)
+    rows = [measure(cfg, mesh, p, l) for p, l in CANDIDATES]
+    fitting = [r for r in rows if r.temp_bytes + static <= budget]
+    if not fitting:
+        table = "; ".join(f"{r.policy}/{r.layers}: {(r.temp_bytes + static) / 2**30:.2f} GiB"
+                          for r in rows)
+        raise ConfigError(f"remat.memory_budget_gb: no policy fits {budget / 2**30:.2f} GiB per "
+                          f"device ({table})")
+    best = min(fitting, key=lambda r: (r.flops, r.temp_bytes))
+    base = next(r for r in rows if r.policy == "none")
+    log(f"remat auto: chose policy={best.policy} layers={best.layers}: predicted "
+        f"{(best.temp_bytes + static) / 2**30:.3f} GiB per device of a "
+        f"{budget / 2**30:.3f} GiB budget (temp {best.temp_bytes / 2**20:.1f} MiB + "
+        f"params/grads/Adam {static / 2**20:.1f} MiB), FLOPs x{best.flops / base.flops:.3f} "
+        f"vs none")
+    return best.policy, best.layers, rows
