@@ -15,6 +15,7 @@ mesh restores onto another.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -54,6 +55,10 @@ def check_model(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
                   "head_dim")
     diffs = [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
              for k in shape_keys if saved.get(k) != want[k]]
+    # Not shapes, but restoring under another value silently computes a different model.
+    diffs += [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
+              for k in ("rope_theta", "norm_eps")
+              if saved.get(k) is None or not math.isclose(saved[k], want[k], rel_tol=1e-9)]
     if diffs:
         raise CheckpointError(f"{where} was written for a different model shape: " + "; ".join(diffs))
 

@@ -13,6 +13,7 @@ Nothing here ever unpickles: a file that is not safetensors fails on its header.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -33,6 +34,7 @@ DTYPES = {
 TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 2**20  # the format's own limit; anything larger is not a header
 INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".bin.index.json")
 
 
 class SafetensorsError(ValueError):
@@ -94,18 +96,19 @@ class SafetensorsFile:
                                        f"not hold {tag} {list(shape)} in {data_bytes} data bytes "
                                        "(truncated or corrupt file)")
             self._entries[name] = (TensorInfo(name, tag, shape, path), begin, end)
-        self._map: np.memmap | None = None
 
     def infos(self) -> list[TensorInfo]:
         return [info for info, _, _ in self._entries.values()]
 
     def read(self, name: str) -> np.ndarray:
-        """A read-only view of the tensor's bytes in the mapped file (copy it to keep it)."""
+        """A read-only array mapped from the file (copy it to keep it). Each tensor gets its own
+        mapping, released with the array, so pages already read do not pile up in the process."""
         info, begin, end = self._entries[name]
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        flat = self._map[self._data_start + begin:self._data_start + end]
-        return flat.view(DTYPES[info.dtype]).reshape(info.shape)
+        dtype = DTYPES[info.dtype]
+        if begin == end:  # mmap cannot map zero bytes
+            return np.zeros(info.shape, dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + begin,
+                         shape=info.shape)
 
 
 class SafetensorsCheckpoint:
@@ -154,12 +157,36 @@ class SafetensorsCheckpoint:
         return self._owner[name].read(name)
 
 
+def open_directory(directory: str) -> SafetensorsCheckpoint:
+    """A Hugging Face weights directory: its index's shards, or its one .safetensors file.
+    Pickle checkpoints (pytorch_model.bin, ...) are refused by name and never opened: unpickling
+    runs arbitrary code."""
+    indexes = sorted(glob.glob(os.path.join(directory, "*.safetensors.index.json")))
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not indexes and not files:
+        pickles = sorted(p for p in os.listdir(directory) if p.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise SafetensorsError(
+                f"{os.path.join(directory, pickles[0])}: a pickle (torch.save) checkpoint; dsjax "
+                "never unpickles weights (that can run arbitrary code). Re-save it as "
+                "safetensors where you trust it: model.save_pretrained(dir, "
+                "safe_serialization=True)")
+        raise SafetensorsError(f"{directory}: no *.safetensors weights found")
+    if len(indexes) > 1:
+        raise SafetensorsError(f"{directory}: several safetensors indexes: {', '.join(indexes)}")
+    if indexes:
+        return SafetensorsCheckpoint.from_index(indexes[0])
+    if len(files) > 1:
+        raise SafetensorsError(f"{directory}: {len(files)} .safetensors files but no {INDEX_NAME}")
+    return SafetensorsCheckpoint(files)
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing
 
 
 def parse_size(text: str) -> int:
-    """'5GB' / '500MB' / '2GiB' / '1000' -> bytes (decimal units, as `save_pretrained` reads them)."""
+    """'5GB' / '500MB' / '2GiB' / '1000' -> bytes (GB is 10**9, as in `save_pretrained`)."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     s = text.strip().upper()
@@ -194,7 +221,8 @@ def _write_file(path: str, specs: Sequence[tuple[str, tuple[int, ...], str]],
     offset = 0
     for name, shape, tag in specs:
         nbytes = math.prod(shape) * DTYPES[tag].itemsize
-        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": tag, "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
@@ -226,6 +254,6 @@ def write_checkpoint(out_dir: str, specs: Iterable[tuple[str, tuple[int, ...], s
         total += _write_file(os.path.join(out_dir, name), shard, produce)
         weight_map.update({spec[0]: name for spec in shard})
     with open(os.path.join(out_dir, INDEX_NAME), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-                  f, indent=2)
+        json.dump({"metadata": {"total_size": total},
+                   "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return names + [INDEX_NAME]

@@ -1,0 +1,499 @@
+"""Hugging Face DeepSeek-LLM checkpoints (safetensors, `LlamaForCausalLM` layout) <-> dsjax Orbax.
+
+  python -m dsjax.convert hf-to-orbax --hf HF_DIR [--config configs/NAME.py[:ARG]] --out CKPT_DIR
+  python -m dsjax.convert orbax-to-hf --checkpoint CKPT_DIR_OR_WORKDIR --out HF_DIR
+                                      [--dtype float32|bfloat16] [--max_shard_size 5GB]
+
+The one idea: one table, `RULES`, says how each HF tensor becomes a dsjax leaf (or one layer's
+slice of a scanned leaf): torch `Linear` weights are [out, in], dsjax matrices are [in, ...out],
+so a projection is a transpose and a reshape; embeddings and norm scales are copied. Both
+directions and every check read that table. Everything is validated from the safetensors headers
+and `config.json` before a single weight is read; weights then stream one tensor at a time
+(`dsjax.safetensors_io`): no HF model is ever resident beyond one tensor. Import holds the float32
+dsjax params (what Orbax writes); export holds one dsjax leaf. Memory in docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from dsjax.config import ModelConfig
+from dsjax.safetensors_io import (DTYPES, SafetensorsCheckpoint, SafetensorsError, open_directory,
+                                  parse_size, write_checkpoint)
+
+HF_CONFIG_COPY = "hf_config.json"  # the source config.json, kept beside the Orbax steps
+# Copied HF dir -> checkpoint dir -> HF dir untouched, so eval and export find the tokenizer.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "generation_config.json")
+EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+FLOAT_TAGS = ("F32", "BF16", "F16", "F64")
+
+
+class ConvertError(ValueError):
+    """A Hugging Face directory or a checkpoint cannot be converted; the message names the tensor,
+    field or file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The mapping table
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf: str                 # HF tensor name; "{i}" stands for the layer index
+    leaf: tuple[str, ...]   # path of the dsjax leaf; per-layer rules fill leaf[i]
+    hf_dims: tuple[str, ...]  # HF shape in the symbols of `_hf_sizes`
+    transpose: bool         # torch Linear [out, in] -> dsjax [in, ...out]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+    def to_dsjax(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return (w.T if self.transpose else w).reshape(shape)
+
+    def to_hf(self, x: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+        if self.transpose:
+            return x.reshape(hf_shape[::-1]).T
+        return x.reshape(hf_shape)
+
+
+_LAYER = "model.layers.{i}."
+RULES = (
+    Rule("model.embed_tokens.weight", ("embedding",), ("V", "D"), False),
+    Rule(_LAYER + "input_layernorm.weight", ("layers", "attn_norm", "scale"), ("D",), False),
+    # q_proj row h*K + k is query head h, dim k: W.T reshaped to [D, H, K] keeps that order.
+    Rule(_LAYER + "self_attn.q_proj.weight", ("layers", "attn", "q"), ("HK", "D"), True),
+    Rule(_LAYER + "self_attn.k_proj.weight", ("layers", "attn", "k"), ("NK", "D"), True),
+    Rule(_LAYER + "self_attn.v_proj.weight", ("layers", "attn", "v"), ("NK", "D"), True),
+    Rule(_LAYER + "self_attn.o_proj.weight", ("layers", "attn", "o"), ("D", "HK"), True),
+    Rule(_LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), ("D",),
+         False),
+    Rule(_LAYER + "mlp.gate_proj.weight", ("layers", "mlp", "gate"), ("F", "D"), True),
+    Rule(_LAYER + "mlp.up_proj.weight", ("layers", "mlp", "up"), ("F", "D"), True),
+    Rule(_LAYER + "mlp.down_proj.weight", ("layers", "mlp", "down"), ("D", "F"), True),
+    Rule("model.norm.weight", ("final_norm", "scale"), ("D",), False),
+    Rule("lm_head.weight", ("lm_head",), ("V", "D"), True),
+)
+_DIM_NAMES = {"V": "vocab_size", "D": "hidden_size", "F": "intermediate_size",
+              "HK": "num_attention_heads*head_dim", "NK": "num_key_value_heads*head_dim"}
+
+
+def _hf_sizes(cfg: ModelConfig) -> dict[str, int]:
+    k = cfg.resolved_head_dim
+    return {"V": cfg.vocab_size, "D": cfg.hidden_size, "F": cfg.mlp_dim,
+            "HK": cfg.num_heads * k, "NK": cfg.num_kv_heads * k}
+
+
+def tensor_plan(cfg: ModelConfig) -> dict[str, tuple[Rule, int | None, tuple[int, ...]]]:
+    """HF tensor name -> (rule, layer index or None, HF shape), rule-major (leaf by leaf)."""
+    sizes = _hf_sizes(cfg)
+    plan = {}
+    for rule in RULES:
+        shape = tuple(sizes[d] for d in rule.hf_dims)
+        layers = range(cfg.num_layers) if rule.per_layer else [None]
+        for i in layers:
+            plan[rule.hf.format(i=i)] = (rule, i, shape)
+    return plan
+
+
+def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The dsjax params tree (path -> shape) as the model itself declares it, checked against
+    RULES so a new parameter in the decoder cannot be silently dropped by a conversion."""
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from dsjax.model.decoder import abstract_params  # pylint: disable=g-import-not-at-top
+
+    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract_params(cfg)))[0]
+    shapes = {tuple(k.key for k in path): tuple(x.shape) for path, x in flat}
+    covered = {rule.leaf for rule in RULES}
+    odd = sorted(set(shapes) ^ covered)
+    for _, (rule, layer, hf_shape) in tensor_plan(cfg).items():
+        shape = shapes.get(rule.leaf, ())[0 if layer is None else 1:]
+        if math.prod(shape) != math.prod(hf_shape):
+            odd.append(rule.leaf)
+    if odd:
+        raise ConvertError(f"params/{'/'.join(odd[0])}: the dsjax model and the conversion table "
+                           "disagree about this parameter (update dsjax.convert.RULES)")
+    return shapes
+
+
+def _nested(flat: dict[tuple[str, ...], Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """A Llama-architecture `config.json` -> ModelConfig; refuses what dsjax does not model."""
+    def fail(key: str, why: str):
+        raise ConvertError(f"{where}: {key}: {why}")
+
+    if hf.get("model_type") != "llama":
+        fail("model_type", f"{hf.get('model_type')!r} is not supported; dsjax converts the "
+             "DeepSeek-LLM family, whose checkpoints are model_type 'llama' (LlamaForCausalLM)")
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if archs != ["LlamaForCausalLM"]:
+        fail("architectures", f"{archs} is not supported; expected ['LlamaForCausalLM']")
+    if hf.get("tie_word_embeddings", False):
+        fail("tie_word_embeddings", "true is not supported: dsjax keeps the embedding and the "
+             "output head separate (DeepSeek-LLM does too)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            fail(key, "true is not supported: dsjax projections have no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        fail("hidden_act", f"{hf['hidden_act']!r} is not supported; dsjax's MLP is SwiGLU (silu)")
+    rope_params = hf.get("rope_parameters") or {}
+    rope_scaling = hf.get("rope_scaling") or {}
+    for key, table in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+        if not isinstance(table, dict):
+            fail(key, f"expected an object or null, got {table!r}")
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind not in ("default", None):
+            fail(f"{key}.rope_type", f"{kind!r} RoPE is not supported; dsjax implements the "
+                 "default (unscaled) rotary embedding")
+
+    def positive_int(key: str, value: Any) -> int:
+        if value is None:
+            fail(key, "required but missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            fail(key, f"expected a positive integer, got {value!r}")
+        return value
+
+    hidden = positive_int("hidden_size", hf.get("hidden_size"))
+    heads = positive_int("num_attention_heads", hf.get("num_attention_heads"))
+    # Absent (or null) means multi-head attention / hidden_size // heads, as in transformers.
+    kv_heads = positive_int("num_key_value_heads", hf.get("num_key_value_heads") or heads)
+    if hf.get("head_dim") is None and hidden % heads:
+        fail("num_attention_heads", f"hidden_size {hidden} is not divisible by {heads} heads "
+             "and there is no head_dim")
+    head_dim = positive_int("head_dim", hf.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads}")
+    if head_dim % 2:
+        fail("head_dim", f"rotary embeddings need an even head dim, got {head_dim}")
+    theta = rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    eps = hf.get("rms_norm_eps", 1e-6)
+    for key, value in (("rope_theta", theta), ("rms_norm_eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            fail(key, f"expected a positive number, got {value!r}")
+    layers = positive_int("num_hidden_layers", hf.get("num_hidden_layers"))
+    mlp_dim = positive_int("intermediate_size", hf.get("intermediate_size"))
+    vocab = positive_int("vocab_size", hf.get("vocab_size"))
+    return ModelConfig(
+        num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        mlp_dim=mlp_dim, vocab_size=vocab,
+        # 0 is dsjax's "hidden_size // num_heads", so configs that leave it unset compare equal.
+        head_dim=0 if head_dim * heads == hidden else head_dim,
+        rope_theta=float(theta), norm_eps=float(eps),
+        init_std=float(hf.get("initializer_range", 0.02)))
+
+
+# dsjax field -> (HF field, value getter): what must agree between a dsjax config and config.json.
+_COMPARED = (
+    ("num_layers", "num_hidden_layers", lambda m: m.num_layers),
+    ("hidden_size", "hidden_size", lambda m: m.hidden_size),
+    ("num_heads", "num_attention_heads", lambda m: m.num_heads),
+    ("num_kv_heads", "num_key_value_heads", lambda m: m.num_kv_heads),
+    ("mlp_dim", "intermediate_size", lambda m: m.mlp_dim),
+    ("vocab_size", "vocab_size", lambda m: m.vocab_size),
+    ("head_dim", "head_dim", lambda m: m.resolved_head_dim),
+    ("rope_theta", "rope_theta", lambda m: m.rope_theta),
+    ("norm_eps", "rms_norm_eps", lambda m: m.norm_eps),
+)
+
+
+def check_same_model(hf_model: ModelConfig, dsjax_model: ModelConfig, where: str) -> None:
+    """Fails with one message naming every field where a dsjax config disagrees with config.json."""
+    diffs = [f"model.{key}: the dsjax config has {get(dsjax_model)!r} but {where} has "
+             f"{hf_key}={get(hf_model)!r}"
+             for key, hf_key, get in _COMPARED
+             if not math.isclose(get(dsjax_model), get(hf_model), rel_tol=1e-9)]
+    if diffs:
+        raise ConvertError("config mismatch: " + "; ".join(diffs))
+
+
+def hf_config(cfg: ModelConfig, torch_dtype: str, template: dict | None = None) -> dict:
+    """config.json for `cfg`: the source model's own config.json (token ids, context length, ...)
+    where one is known, with every field that defines the weights' math rewritten from `cfg`."""
+    out = {k: v for k, v in (template or {}).items()
+           if k not in ("rope_parameters", "rope_scaling", "dtype", "torch_dtype")}
+    out.setdefault("max_position_embeddings", 4096)  # DeepSeek-LLM's context; RoPE has no limit
+    out.update({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim, "intermediate_size": cfg.mlp_dim,
+        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        # The transformers 4.x spellings; 5.x reads them too (into `rope_parameters`, `dtype`).
+        "rope_theta": cfg.rope_theta, "rope_scaling": None, "torch_dtype": torch_dtype,
+    })
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directory -> checks
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: expected a JSON object")
+    return value
+
+
+def check_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> dict:
+    """Every expected tensor present with its shape and a float dtype, nothing else; returns the
+    plan of `tensor_plan`."""
+    plan = tensor_plan(cfg)
+    missing = [name for name in plan if name not in weights.tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConvertError(f"missing tensor {missing[0]}{more}: the checkpoint does not match "
+                           "the config (num_hidden_layers? tie_word_embeddings?)")
+    unexpected = sorted(set(weights.tensors) - set(plan))
+    if unexpected:
+        info = weights.tensors[unexpected[0]]
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConvertError(f"unexpected tensor {info.name} in {info.file}{more}: dsjax's "
+                           "DeepSeek-LLM model has no such parameter")
+    for name, (rule, _, shape) in plan.items():
+        info = weights.tensors[name]
+        if info.shape != shape:
+            dims = ", ".join(_DIM_NAMES[d] for d in rule.hf_dims)
+            raise ConvertError(f"tensor {name} in {info.file}: shape {list(info.shape)}, expected "
+                               f"{list(shape)} = [{dims}]")
+        if info.dtype not in FLOAT_TAGS:
+            raise ConvertError(f"tensor {name} in {info.file}: dtype {info.dtype}, expected one "
+                               f"of {', '.join(FLOAT_TAGS)}")
+    return plan
+
+
+def _require_empty(path: str, flag: str) -> None:
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConvertError(f"{flag}: {path} exists and is not an empty directory")
+
+
+def _copy_side_files(sources: Sequence[str], out_dir: str, renames: dict[str, str]) -> list[str]:
+    copied = []
+    for name, target in renames.items():
+        for directory in sources:
+            src = os.path.join(directory, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out_dir, target))
+                copied.append(target)
+                break
+    return copied
+
+
+# ---------------------------------------------------------------------------------------------
+# The two directions
+
+
+def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
+                log=print) -> ModelConfig:
+    """Converts a Hugging Face directory into a weights-only dsjax checkpoint; returns the model
+    config written to its meta. With `model_cfg`, config.json must describe the same model."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from dsjax.checkpoint import save_params  # pylint: disable=g-import-not-at-top
+
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConvertError(f"--hf: {config_path} not found (a Hugging Face model directory has "
+                           "config.json beside its weights)")
+    source = _read_json(config_path)
+    cfg = model_config_from_hf(source, config_path)
+    if model_cfg is not None:
+        check_same_model(cfg, model_cfg, config_path)
+        cfg = model_cfg
+    weights = open_directory(hf_dir)
+    plan = check_tensors(weights, cfg)
+    shapes = leaf_shapes(cfg)
+    _require_empty(out_dir, "--out")
+    log(f"hf-to-orbax: {len(plan)} tensors from {len(weights.files)} file(s) in {hf_dir}")
+
+    # The float32 dsjax tree is our only large allocation: each source tensor is a mapped view
+    # whose transpose-and-cast copy lands straight in its slot.
+    leaves = {path: np.empty(shape, np.float32) for path, shape in shapes.items()}
+    for name, (rule, layer, _) in plan.items():
+        dest = leaves[rule.leaf] if layer is None else leaves[rule.leaf][layer]
+        dest[...] = rule.to_dsjax(weights.read(name), dest.shape)
+        if not np.isfinite(dest).all():
+            raise ConvertError(f"tensor {name} in {weights.tensors[name].file}: contains NaN or "
+                               "Inf; refusing to write a checkpoint with non-finite values")
+    # Orbax holds extra copies while it writes. Given CPU jax.Arrays that alias the numpy leaves
+    # (device_put is zero-copy on the CPU) it held 1-1.4 copies; given the numpy leaves, ~1.8
+    # (measured; docs/convert.md).
+    cpu = jax.devices("cpu")[0]
+    save_params(out_dir, jax.tree.map(lambda a: jax.device_put(a, cpu), _nested(leaves)), cfg)
+    copied = _copy_side_files([hf_dir], out_dir, {"config.json": HF_CONFIG_COPY,
+                                                  **{n: n for n in SIDE_FILES}})
+    log(f"wrote {out_dir} (step 0; also {', '.join(copied)})")
+    return cfg
+
+
+def _open_checkpoint(directory: str, step: int | None):
+    """(manager, step, directory holding the steps) for a converted dir, a run workdir or its
+    checkpoints/ dir."""
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    for candidate in (directory, os.path.join(directory, "checkpoints")):
+        if os.path.isdir(candidate):
+            manager = ocp.CheckpointManager(os.path.abspath(candidate))
+            if manager.latest_step() is not None:
+                break
+    else:
+        raise ConvertError(f"--checkpoint: no Orbax checkpoint in {directory!r} or its "
+                           "checkpoints/")
+    if step is None:
+        step = manager.latest_step()
+    elif step not in manager.all_steps():
+        raise ConvertError(f"--step: {step} not in {candidate} (steps: {manager.all_steps()})")
+    return manager, step, candidate
+
+
+def _model_from_meta(manager, step: int, where: str) -> ModelConfig:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
+        raise ConvertError(f"{where}: no readable dsjax meta item ({type(e).__name__}: {e})"
+                           ) from None
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = {k: v for k, v in (meta or {}).get("model", {}).items() if k in fields}
+    try:
+        return ModelConfig(**model)
+    except TypeError as e:
+        raise ConvertError(f"{where}: meta has no complete model config ({e})") from None
+
+
+def _restore_leaf(manager, step: int, path: tuple[str, ...], shape: tuple[int, ...],
+                  where: str) -> np.ndarray:
+    """One params leaf as a host numpy array; nothing else of the checkpoint is read."""
+    import jax  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    item = _nested({path: jax.ShapeDtypeStruct(shape, np.float32)})
+    restore_args = _nested({path: ocp.RestoreArgs(restore_type=np.ndarray)})
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args, partial_restore=True)))["params"]
+    except Exception as e:  # Orbax raises many types; name the leaf and the cause.
+        raise ConvertError(f"{where}: cannot read params/{'/'.join(path)} {list(shape)} "
+                           f"({type(e).__name__}: {e})") from None
+    for key in path:
+        restored = restored[key]
+    return np.asarray(restored, np.float32)
+
+
+def orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
+                max_shard_bytes: int = 5 * 10**9, step: int | None = None, log=print) -> list[str]:
+    """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` loads; returns the
+    weight files written. Reads the checkpoint leaf by leaf."""
+    if dtype not in EXPORT_DTYPES:
+        raise ConvertError(f"--dtype: {dtype!r}; valid: {', '.join(EXPORT_DTYPES)}")
+    manager, step, steps_dir = _open_checkpoint(checkpoint, step)
+    where = f"checkpoint step {step} in {steps_dir}"
+    cfg = _model_from_meta(manager, step, where)
+    shapes = leaf_shapes(cfg)
+    plan = tensor_plan(cfg)
+    _require_empty(out_dir, "--out")
+    os.makedirs(out_dir, exist_ok=True)
+    tag = EXPORT_DTYPES[dtype]
+    log(f"orbax-to-hf: {where} -> {out_dir} ({dtype})")
+
+    loaded: dict[tuple[str, ...], np.ndarray] = {}  # at most one leaf: the plan is leaf-major
+
+    def produce(name: str) -> np.ndarray:
+        rule, layer, hf_shape = plan[name]
+        if rule.leaf not in loaded:
+            loaded.clear()
+            loaded[rule.leaf] = _restore_leaf(manager, step, rule.leaf, shapes[rule.leaf], where)
+        x = loaded[rule.leaf] if layer is None else loaded[rule.leaf][layer]
+        return rule.to_hf(x, hf_shape).astype(DTYPES[tag])
+
+    files = write_checkpoint(out_dir, [(n, shape, tag) for n, (_, _, shape) in plan.items()],
+                             produce, max_shard_bytes)
+    sources = list(dict.fromkeys([checkpoint, steps_dir]))
+    template_path = next((os.path.join(d, HF_CONFIG_COPY) for d in sources
+                          if os.path.isfile(os.path.join(d, HF_CONFIG_COPY))), None)
+    template = _read_json(template_path) if template_path else None
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config(cfg, dtype, template), f, indent=2)
+    copied = _copy_side_files(sources, out_dir, {n: n for n in SIDE_FILES})
+    log(f"wrote {out_dir}: {', '.join(files + ['config.json'] + copied)}")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsjax.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("hf-to-orbax", help="Hugging Face safetensors -> dsjax Orbax checkpoint")
+    imp.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+    imp.add_argument("--config", default="", help="configs/NAME.py[:ARG] the checkpoint is for; "
+                     "config.json must agree with its model section (default: derive from it)")
+    imp.add_argument("--out", required=True, help="new (or empty) checkpoint directory")
+    exp = sub.add_parser("orbax-to-hf", help="dsjax Orbax checkpoint -> Hugging Face safetensors")
+    exp.add_argument("--checkpoint", required=True,
+                     help="a converted checkpoint, a run workdir or its checkpoints/ dir")
+    exp.add_argument("--out", required=True, help="new (or empty) output directory")
+    exp.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="float32",
+                     help="weight dtype written (default: float32, the master weights' own)")
+    exp.add_argument("--max_shard_size", default="5GB", help="largest .safetensors shard")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # Imported here: dsjax.checkpoint imports JAX, which `__main__` first points at the CPU.
+    from dsjax.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+    from dsjax.config import ConfigError, load  # pylint: disable=g-import-not-at-top
+
+    try:
+        if args.command == "hf-to-orbax":
+            model_cfg = load(args.config).model if args.config else None
+            hf_to_orbax(args.hf, args.out, model_cfg)
+        else:
+            orbax_to_hf(args.checkpoint, args.out, args.dtype, parse_size(args.max_shard_size),
+                        args.step)
+    except (ConvertError, SafetensorsError, ConfigError, CheckpointError, OSError) as e:
+        print(f"dsjax.convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    # Conversion is host work: keep JAX off any accelerator (and its memory) unless told otherwise.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())
