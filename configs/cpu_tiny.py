@@ -45,6 +45,10 @@ def get_config(arg=None):
         eval_every=0,        # 0: evaluate only at the end
         sample_prompt="def ",  # greedy sample prompt printed after training
         sample_tokens=96,    # tokens to generate
+        nonfinite="stop",    # non-finite loss/gradient: stop | skip (float16 always skips)
+        max_consecutive_skips=10,  # stop after this many skipped steps in a row
+        loss_scale_init=32768.0,   # float16 dynamic loss scale: initial value
+        loss_scale_growth=2000,    # float16: double the scale after this many finite steps
     ))
     c.optim = ConfigDict(dict(
         name="adamw",        # optimizer
@@ -55,7 +59,20 @@ def get_config(arg=None):
         weight_decay=0.1,    # decoupled weight decay (not on norms)
         clip_norm=1.0,       # global-norm gradient clipping (0 = off)
     ))
-    c.remat = ConfigDict(dict(policy="none"))  # activation recomputation: none | full
+    c.fp8 = ConfigDict(dict(
+        recipe="current",    # current | delayed | rowwise scaling (when compute_dtype = fp8)
+        history_len=1024,    # delayed: amax history length
+        margin=0.0,          # delayed: scale headroom in powers of two
+        matmuls="q,k,v,o,gate,up,down",  # projections run as fp8 GEMMs
+        keep_first_layers=0,  # first N layers stay in other_dtype
+        keep_last_layers=0,   # last N layers stay in other_dtype
+        other_dtype="bfloat16",  # dtype of everything not in fp8
+    ))
+    c.remat = ConfigDict(dict(
+        policy="none",       # none | full | dots | dots_no_batch | attention_core | names:.. | auto
+        layers="all",        # all | every_N | one policy per layer, comma-separated
+        memory_budget_gb=0.0,  # "auto": per-device budget (0 = 90% of device memory)
+    ))
     c.checkpoint = ConfigDict(dict(
         every=200,           # steps between checkpoints (and one at the end)
         keep=2,              # checkpoints kept

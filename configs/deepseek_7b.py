@@ -38,12 +38,25 @@ def get_config(arg=None):
         compute_dtype="bfloat16",           # bf16 matmuls, float32 master weights
         eval_every=0,                       # evaluate only at the end
         sample_prompt="def ", sample_tokens=32,  # greedy sample after training
+        nonfinite="stop", max_consecutive_skips=10,  # non-finite steps: stop | skip
+        loss_scale_init=32768.0, loss_scale_growth=2000,  # float16 dynamic loss scaling
     ))
     c.optim = ConfigDict(dict(
         name="adamw", lr=4.2e-4, warmup_steps=100, min_lr_ratio=0.1,  # DeepSeek-LLM 7B peak lr
         b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
     ))
-    c.remat = ConfigDict(dict(policy="full"))  # recompute each block: 7B activations at 4k are large
+    c.fp8 = ConfigDict(dict(
+        recipe="current",       # per-tensor current scaling (when compute_dtype = fp8)
+        history_len=1024, margin=0.0,  # delayed scaling settings
+        matmuls="q,k,v,o,gate,up,down",  # projections run as fp8 GEMMs
+        keep_first_layers=0, keep_last_layers=0,  # layers kept in other_dtype
+        other_dtype="bfloat16",  # embedding, head, attention core, norms stay higher precision
+    ))
+    c.remat = ConfigDict(dict(
+        policy="full",          # recompute each block: 7B activations at 4k are large
+        layers="all",           # every layer
+        memory_budget_gb=0.0,   # only for policy "auto"
+    ))
     c.checkpoint = ConfigDict(dict(every=200, keep=3, async_save=True, init_from=""))
     c.metrics = ConfigDict(dict(peak_flops_per_device=0.0, tensorboard=True))  # 0: datasheet peak
     return c

@@ -3,7 +3,7 @@
 The one idea: a checkpoint is a step directory managed by `ocp.CheckpointManager` with separate
 items, so a reader can take only what it needs:
   params     the float32 master weights (StandardSave pytree)
-  opt_state  optimizer state and step counter
+  train      optimizer state, loss scale, fp8 scaling state (everything else that is trained)
   data       the data iterator position (JSON)
   meta       the model config and step (JSON), checked before any array is read
 `dsjax.convert` writes `params` + `meta` only; such a checkpoint starts a run
@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from dsjax.config import ModelConfig
 
-ITEMS = ("params", "opt_state", "data", "meta")
+ITEMS = ("params", "train", "data", "meta")
 
 
 class CheckpointError(ValueError):
@@ -75,14 +75,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params: Any, opt_state: Any, data_state: dict | None,
+    def save(self, step: int, params: Any, train: Any, data_state: dict | None,
              model: ModelConfig) -> None:
         """Saves (asynchronously when enabled); refuses non-finite values."""
-        if not bool(all_finite(params)) or not bool(all_finite(opt_state)):
+        if not bool(all_finite(params)) or not bool(all_finite(train)):
             raise CheckpointError(f"refusing to save step {step}: parameters or optimizer state "
                                   "contain NaN/Inf")
         items = dict(params=ocp.args.StandardSave(params),
-                     opt_state=ocp.args.StandardSave(opt_state),
+                     train=ocp.args.StandardSave(train),
                      meta=ocp.args.JsonSave(model_meta(model, step)))
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -92,25 +92,25 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return restored["meta"]
 
-    def restore(self, step: int, params: Any, opt_state: Any, model: ModelConfig
+    def restore(self, step: int, params: Any, train: Any, model: ModelConfig
                 ) -> tuple[Any, Any, dict | None]:
-        """Restores onto the shardings of the given (abstract or concrete) params/opt_state."""
+        """Restores onto the shardings of the given (abstract or concrete) params/train state."""
         where = f"checkpoint step {step} in {self.directory}"
         check_model(self.read_meta(step), model, where)
         step_dir = os.path.join(self.directory, str(step))
         has_data = os.path.isdir(os.path.join(step_dir, "data"))
         items = dict(params=ocp.args.StandardRestore(_abstract(params)),
-                     opt_state=ocp.args.StandardRestore(_abstract(opt_state)))
+                     train=ocp.args.StandardRestore(_abstract(train)))
         if has_data:
             items["data"] = ocp.args.JsonRestore()
-        if not os.path.isdir(os.path.join(step_dir, "opt_state")):
+        if not os.path.isdir(os.path.join(step_dir, "train")):
             raise CheckpointError(f"{where} has no optimizer state (a converted weights-only "
                                   "checkpoint?); start from it with --config.checkpoint.init_from")
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
             raise CheckpointError(f"could not restore {where}: {type(e).__name__}: {e}") from e
-        return restored["params"], restored["opt_state"], restored.get("data") if has_data else None
+        return restored["params"], restored["train"], restored.get("data") if has_data else None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -17,9 +17,10 @@ import ml_collections
 
 from dsjax import remat
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# Named in DESIGN.md's config surface but not built yet; rejected with a pointer, never ignored.
-PLANNED_DTYPES = {"fp8": "fp8 compute lands with the FP8 issue (#4)"}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
+FP8_RECIPES = ("current", "delayed", "rowwise")
+FP8_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
+NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw",)
 PLANNED_OPTIMIZERS = {"onebit_adam": "1-bit Adam lands with its own issue (#6)"}
 DATA_SOURCES = ("stdlib", "prepared")
@@ -75,6 +76,11 @@ class TrainConfig:
     eval_every: int = 0
     sample_prompt: str = "def "
     sample_tokens: int = 64
+    nonfinite: str = "stop"  # non-finite loss/gradient: stop, or skip the step (float16 always
+                             # skips and halves its loss scale)
+    max_consecutive_skips: int = 10  # then stop anyway
+    loss_scale_init: float = 32768.0  # float16 dynamic loss scale: start
+    loss_scale_growth: int = 2000  # float16: double the scale after this many finite steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,21 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    recipe: str = "current"  # current | delayed | rowwise (used when train.compute_dtype = fp8)
+    history_len: int = 1024  # delayed: amax history length
+    margin: float = 0.0  # delayed: scale headroom, in powers of two
+    matmuls: str = "q,k,v,o,gate,up,down"  # projections that run as fp8 GEMMs
+    keep_first_layers: int = 0  # the first N decoder layers stay in other_dtype
+    keep_last_layers: int = 0  # the last N decoder layers stay in other_dtype
+    other_dtype: str = "bfloat16"  # everything not in fp8 (embedding, head, attention core)
+
+    @property
+    def matmul_names(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.matmuls.split(",") if m.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +141,7 @@ class Config:
     data: DataConfig
     train: TrainConfig
     optim: OptimConfig
+    fp8: FP8Config
     remat: RematConfig
     checkpoint: CheckpointConfig
     metrics: MetricsConfig
@@ -137,6 +159,7 @@ _SECTIONS = {
     "data": DataConfig,
     "train": TrainConfig,
     "optim": OptimConfig,
+    "fp8": FP8Config,
     "remat": RematConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -240,12 +263,33 @@ def validate(cfg: Config) -> None:
     _positive("train.log_every", t.log_every)
     _non_negative("train.eval_every", t.eval_every)
     _non_negative("train.sample_tokens", t.sample_tokens)
-    if t.compute_dtype in PLANNED_DTYPES:
-        raise ConfigError(f"train.compute_dtype: {PLANNED_DTYPES[t.compute_dtype]}; valid now: "
-                          f"{', '.join(COMPUTE_DTYPES)}")
+    if t.nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.nonfinite: unknown policy {t.nonfinite!r}; valid: "
+                          f"{', '.join(NONFINITE_POLICIES)}")
+    _positive("train.max_consecutive_skips", t.max_consecutive_skips)
+    _positive("train.loss_scale_init", t.loss_scale_init)
+    _positive("train.loss_scale_growth", t.loss_scale_growth)
     if t.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"train.compute_dtype: unknown dtype {t.compute_dtype!r}; valid: "
                           f"{', '.join(COMPUTE_DTYPES)}")
+
+    f = cfg.fp8
+    if f.recipe not in FP8_RECIPES:
+        raise ConfigError(f"fp8.recipe: unknown recipe {f.recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+    _positive("fp8.history_len", f.history_len)
+    unknown = [n for n in f.matmul_names if n not in FP8_MATMULS]
+    if unknown:
+        raise ConfigError(f"fp8.matmuls: unknown matmul {unknown[0]!r}; valid: "
+                          f"{', '.join(FP8_MATMULS)}")
+    _non_negative("fp8.keep_first_layers", f.keep_first_layers)
+    _non_negative("fp8.keep_last_layers", f.keep_last_layers)
+    if f.keep_first_layers + f.keep_last_layers > m.num_layers:
+        raise ConfigError(f"fp8.keep_first_layers: keep_first_layers + keep_last_layers = "
+                          f"{f.keep_first_layers + f.keep_last_layers} exceeds model.num_layers "
+                          f"{m.num_layers}")
+    if f.other_dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"fp8.other_dtype: must be float32, bfloat16 or float16, got "
+                          f"{f.other_dtype!r}")
 
     o = cfg.optim
     if o.name in PLANNED_OPTIMIZERS:

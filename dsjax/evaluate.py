@@ -71,7 +71,7 @@ def evaluate_params(trainer, params: Any, eval_dir: str, cfg: Config) -> dict[st
     nll = count = nbytes = 0.0
     with sharding.activate(trainer.mesh, trainer.rules):
         for b in batches:
-            out = step(trainer.model.apply, params, trainer.device_batch(_local(b)))
+            out = step(trainer.eval_model.apply, params, trainer.device_batch(_local(b)))
             n, c, nb = (float(x) for x in jax.device_get(out))
             nll, count, nbytes = nll + n, count + c, nbytes + nb
     loss = nll / max(count, 1.0)
@@ -95,7 +95,7 @@ def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> li
     not a serving path. The prompt is replicated over the `data` axis so the batch divides it."""
     seq = trainer.cfg.data.seq_len
     rows = trainer.mesh.shape["data"]
-    apply_fn = trainer.model.apply
+    apply_fn = trainer.eval_model.apply
 
     @jax.jit
     def next_token(params, tokens_BS, length):

@@ -29,7 +29,6 @@ from dsjax.config import Config, ConfigError
 CANDIDATES = (("none", "all"), ("dots", "all"), ("dots_no_batch", "all"),
               ("attention_core", "all"), ("attention_core", "every_2"), ("full", "every_2"),
               ("full", "all"))
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +54,11 @@ def _with_depth(cfg: Config, policy: str, layers: str, groups: int) -> tuple[Con
 
 def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
     """Compiles value_and_grad of the training loss for `cfg` on abstract, sharded inputs."""
-    from dsjax.model import Transformer
-    from dsjax.train import loss_fn
+    from dsjax.train import loss_fn, make_model
 
     rules = sharding.logical_rules(cfg.mesh.fsdp)
-    policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, cfg.model.num_layers)
-    model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
-                        layer_policies=policies, scan_unroll=unroll)
+    # for_eval: delayed fp8 scaling measured as current scaling (same GEMMs, no amax history).
+    model = make_model(cfg, unroll=unroll, for_eval=True)
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     boxed = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
     shardings = sharding.param_shardings(boxed, mesh, rules)

@@ -22,11 +22,12 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from dsjax import checkpoint as ckpt
-from dsjax import remat
+from dsjax import fp8, remat
 from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
 from dsjax.model import Transformer, count_params, weighted_cross_entropy
+from dsjax.optim import loss_scale as ls
 from dsjax.optim import make_optimizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
@@ -42,34 +43,68 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    loss_scale: ls.LossScale  # float16: dynamic scale; otherwise fixed 1, counts skipped steps
+    fp8_meta: Any  # delayed fp8 scaling state ({} otherwise): never seen by the optimizer
     apply_fn: Callable = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     lr_fn: Callable = struct.field(pytree_node=False)
+    fp8_margin: float = struct.field(pytree_node=False, default=0.0)
 
 
-def loss_fn(params: Any, apply_fn: Callable, batch: dict[str, jax.Array]
+def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unroll: bool = False,
+               for_eval: bool = False) -> Transformer:
+    """The decoder `cfg` describes: compute dtype, fp8 precision policy, per-layer remat."""
+    L = cfg.model.num_layers
+    if layer_policies is None:
+        layer_policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, L)
+    if cfg.train.compute_dtype != "fp8":
+        return Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
+                           layer_policies=layer_policies, scan_unroll=unroll)
+    f = cfg.fp8
+    fp8_layers = tuple(f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L))
+    # Delayed scaling's amax history is training state; eval scales each tensor by itself.
+    recipe = "current" if for_eval and f.recipe == "delayed" else f.recipe
+    return Transformer(cfg.model, dtype=COMPUTE_DTYPES[f.other_dtype],
+                       layer_policies=layer_policies, scan_unroll=unroll,
+                       fp8_matmuls=f.matmul_names, fp8_recipe=recipe,
+                       fp8_history=f.history_len, fp8_layers=fp8_layers)
+
+
+def loss_fn(params: Any, apply_fn: Callable, batch: dict[str, jax.Array], fp8_meta: Any = None
             ) -> tuple[jax.Array, jax.Array]:
     """Mean next-token NLL over weighted positions, and the weight sum."""
-    logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+    variables = {"params": params}
+    if fp8_meta:
+        variables[fp8.META_COLLECTION] = fp8_meta
+    logits = apply_fn(variables, batch["inputs"], batch["positions"], batch["segment_ids"])
     total, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     return total / jnp.maximum(count, 1.0), count
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-    """One optimizer step. A non-finite loss or gradient leaves params and optimizer state as they
-    were (so nothing non-finite can be checkpointed) and reports `finite = False`."""
-    (loss, tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, state.apply_fn, batch)
+    """One optimizer step. A non-finite loss or gradient leaves params, optimizer state and fp8
+    state as they were (so nothing non-finite can be checkpointed), halves a float16 loss scale,
+    and reports `finite = False`; the host decides whether to stop (train.nonfinite)."""
+    def scaled_loss(params, fp8_meta):
+        loss, tokens = loss_fn(params, state.apply_fn, batch, fp8_meta)
+        return ls.scale_loss(state.loss_scale, loss), (loss, tokens)
+
+    (_, (loss, tokens)), (grads, meta_grads) = jax.value_and_grad(
+        scaled_loss, argnums=(0, 1), has_aux=True)(state.params, state.fp8_meta)
+    grads = ls.unscale_grads(state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jnp.where(finite, new, old)
-    new_state = state.replace(step=state.step + finite.astype(state.step.dtype),
-                              params=jax.tree.map(keep, new_params, state.params),
-                              opt_state=jax.tree.map(keep, new_opt_state, state.opt_state))
+    new_meta = fp8.commit(state.fp8_meta, meta_grads, state.fp8_margin) if state.fp8_meta else {}
+    params, opt_state, fp8_meta = ls.select(finite, (new_params, new_opt_state, new_meta),
+                                            (state.params, state.opt_state, state.fp8_meta))
+    new_state = state.replace(step=state.step + finite.astype(state.step.dtype), params=params,
+                              opt_state=opt_state, fp8_meta=fp8_meta,
+                              loss_scale=ls.update(state.loss_scale, finite))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step),
-               "finite": finite, "tokens": tokens}
+               "finite": finite, "tokens": tokens, "loss_scale": state.loss_scale.scale,
+               "skipped_steps": new_state.loss_scale.skipped_steps}
     return new_state, metrics
 
 
@@ -79,6 +114,7 @@ class Trainer:
     cfg: Config
     mesh: Mesh
     model: Transformer
+    eval_model: Transformer  # the same weights; fp8 "delayed" evaluates with "current" scaling
     rules: Any
     state_shardings: Any
     batch_shardings: dict[str, NamedSharding]
@@ -110,16 +146,18 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
         policy, layers, _ = remat_plan.choose(cfg, mesh, log=mx.log)
         cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy,
                                                                  layers=layers))
-    model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
-                        layer_policies=remat.layer_policies(cfg.remat.policy, cfg.remat.layers,
-                                                            cfg.model.num_layers))
+    model = make_model(cfg)
     tx, lr_fn = make_optimizer(cfg.optim, cfg.train.steps)
     dummy = jnp.zeros((1, min(cfg.data.seq_len, 8)), jnp.int32)
+    loss_scale = (ls.dynamic_scale(cfg.train.loss_scale_init, cfg.train.loss_scale_growth)
+                  if cfg.train.compute_dtype == "float16" else ls.skip_policy())
 
     def init_boxed(rng):
-        params = model.init(rng, dummy)["params"]
+        variables = model.init(rng, dummy)
+        params = variables["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          apply_fn=model.apply, tx=tx, lr_fn=lr_fn)
+                          loss_scale=loss_scale, fp8_meta=variables.get(fp8.META_COLLECTION, {}),
+                          apply_fn=model.apply, tx=tx, lr_fn=lr_fn, fp8_margin=cfg.fp8.margin)
 
     # Optimizer moments mirror the boxed params, so they inherit the same logical axis names.
     abstract = jax.eval_shape(init_boxed, jax.random.key(0))
@@ -128,8 +166,14 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
     step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
                       out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-    return Trainer(cfg, mesh, model, rules, state_shardings, batch_shardings, init_fn, step_fn,
+    return Trainer(cfg, mesh, model, make_model(cfg, for_eval=True), rules, state_shardings, batch_shardings, init_fn, step_fn,
                    count_params(abstract.params))
+
+
+def train_extras(state: TrainState) -> dict[str, Any]:
+    """Everything besides params that defines the run's future, as checkpointed."""
+    return {"opt_state": state.opt_state, "loss_scale": state.loss_scale,
+            "fp8_meta": state.fp8_meta}
 
 
 def abstract_state(trainer: Trainer) -> TrainState:
@@ -164,10 +208,9 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     state = trainer.init()
     start = checkpointer.latest_step()
     if start is not None:
-        params, opt_state, data_state = checkpointer.restore(start, state.params, state.opt_state,
-                                                             cfg.model)
-        state = state.replace(step=jnp.asarray(start, jnp.int32), params=params,
-                              opt_state=opt_state)
+        params, extras, data_state = checkpointer.restore(start, state.params,
+                                                          train_extras(state), cfg.model)
+        state = state.replace(step=jnp.asarray(start, jnp.int32), params=params, **extras)
         if data_state is not None:
             data_it.set_state(data_state)
         mx.log(f"resumed from step {start} ({checkpointer.directory})")
@@ -186,6 +229,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
            f"{flops_tok:.3g} model FLOPs/token")
 
     pending = None  # (step index, device metrics) of the step dispatched last
+    skips_in_a_row = [0]
     last_time = time.perf_counter()
     step_times: list[float] = []
 
@@ -196,11 +240,20 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
         now = time.perf_counter()
         dt, last_time = now - last_time, now
         if not bool(m["finite"]):
-            raise TrainingError(
-                f"non-finite loss or gradient at step {step_idx + 1} (loss={float(m['loss'])}, "
-                f"grad_norm={float(m['grad_norm'])}); stopping without writing a checkpoint. "
-                f"The last checkpoint in {checkpointer.directory} is intact; lower optim.lr or "
-                f"check the data.")
+            skipping = cfg.train.nonfinite == "skip" or cfg.train.compute_dtype == "float16"
+            skips_in_a_row[0] += 1
+            if not skipping or skips_in_a_row[0] > cfg.train.max_consecutive_skips:
+                why = (f"{skips_in_a_row[0]} consecutive non-finite steps" if skipping else
+                       "train.nonfinite='stop'")
+                raise TrainingError(
+                    f"non-finite loss or gradient at step {step_idx + 1} (loss={float(m['loss'])}"
+                    f", grad_norm={float(m['grad_norm'])}, {why}); stopping without writing a "
+                    f"checkpoint. The last checkpoint in {checkpointer.directory} is intact; "
+                    f"lower optim.lr or check the data.")
+            mx.log(f"skipped step {step_idx + 1}: non-finite loss or gradient (loss scale was "
+                   f"{float(m['loss_scale']):g}; {int(m['skipped_steps'])} skipped so far)")
+        else:
+            skips_in_a_row[0] = 0
         if step_idx > start:  # the first step of a process includes compilation
             step_times.append(dt)
         done = step_idx + 1
@@ -225,7 +278,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
                 drain(pending)  # never checkpoint a step whose loss we have not seen
                 pending = None
-                checkpointer.save(done, state.params, state.opt_state, data_it.get_state(),
+                checkpointer.save(done, state.params, train_extras(state), data_it.get_state(),
                                   cfg.model)
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
                 ev = evaluate.evaluate_params(trainer, state.params, splits.eval, cfg)
@@ -234,7 +287,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
         if pending is not None:
             drain(pending)
         if start < cfg.train.steps:
-            checkpointer.save(cfg.train.steps, state.params, state.opt_state,
+            checkpointer.save(cfg.train.steps, state.params, train_extras(state),
                               data_it.get_state(), cfg.model)
     finally:
         checkpointer.close()

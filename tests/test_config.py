@@ -63,7 +63,10 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"model.num_kv_heads": 3}, "model.num_kv_heads"),      # 4 heads over 3 kv heads
     ({"model.hidden_size": 66}, "model.num_heads"),         # 66 / 4 heads
     ({"model.num_layers": 0}, "model.num_layers"),
-    ({"train.compute_dtype": "fp8"}, "train.compute_dtype"),
+    ({"fp8.recipe": "tensorwise"}, "fp8.recipe"),
+    ({"fp8.matmuls": "q,k,router"}, "fp8.matmuls"),
+    ({"fp8.keep_first_layers": 2, "fp8.keep_last_layers": 1}, "fp8.keep_first_layers"),
+    ({"train.nonfinite": "ignore"}, "train.nonfinite"),
     ({"train.compute_dtype": "int4"}, "train.compute_dtype"),
     ({"optim.name": "sgd"}, "optim.name"),
     ({"remat.policy": "sometimes"}, "remat.policy"),

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax import remat
+from dsjax import fp8, remat
 from dsjax.config import ModelConfig
 from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
+ATTN_MATMULS = ("q", "k", "v", "o")
+MLP_MATMULS = ("gate", "up", "down")
 
 
 class DecoderBlock(nn.Module):
@@ -30,16 +32,23 @@ class DecoderBlock(nn.Module):
     norm_eps: float
     init_std: float
     dtype: Any = jnp.float32
+    fp8_matmuls: tuple[str, ...] = ()  # projections run as fp8 GEMMs (see dsjax/fp8.py)
+    fp8_recipe: str = "current"
+    fp8_history: int = fp8.DEFAULT_HISTORY
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
+        attn_fp8 = tuple(m for m in self.fp8_matmuls if m in ATTN_MATMULS)
+        mlp_fp8 = tuple(m for m in self.fp8_matmuls if m in MLP_MATMULS)
         attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
-                         self.init_std, self.dtype, name="attn")
+                         self.init_std, self.dtype, attn_fp8, self.fp8_recipe, self.fp8_history,
+                         name="attn")
         h_BSD = x_BSD + attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
                              segment_ids_BS)
         h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)
-        mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, name="mlp")
+        mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, mlp_fp8, self.fp8_recipe,
+                     self.fp8_history, name="mlp")
         out_BSD = h_BSD + mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
         return nn.with_logical_constraint(out_BSD, RESIDUAL), None
 
@@ -47,42 +56,73 @@ class DecoderBlock(nn.Module):
 class Transformer(nn.Module):
     """tokens [B, S] -> float32 logits [B, S, V].
 
-    `layer_policies` gives each layer's remat policy (see dsjax/remat.py; empty = none). The
-    stack is a `lax.scan` over groups of layers (the shortest repeating period of the policies),
-    so per-layer recomputation patterns keep the loop a scan and the params keep one layout:
-    every block parameter has a leading "layers" axis of length num_layers.
+    Per-layer choices: `layer_policies` (remat policy of each layer, see dsjax/remat.py; empty =
+    none) and `fp8_layers` (whether each layer runs `fp8_matmuls` as fp8 GEMMs; empty = all do).
+    The stack is split into contiguous segments of equal fp8 choice, and each segment is a
+    `lax.scan` over groups of layers (the shortest repeating period of its remat policies), so
+    per-layer patterns keep the loop a scan. Params keep one layout whatever the choices: every
+    block parameter has a leading "layers" axis of length num_layers. With the "delayed" fp8
+    recipe, the `fp8_meta` collection holds one `Fp8Meta` per projection and layer, same layout.
     """
     cfg: ModelConfig
     dtype: Any = jnp.float32
     layer_policies: tuple[str, ...] = ()
     scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
+    fp8_matmuls: tuple[str, ...] = ()
+    fp8_recipe: str = "current"
+    fp8_history: int = fp8.DEFAULT_HISTORY
+    fp8_layers: tuple[bool, ...] = ()
 
-    def _block(self) -> DecoderBlock:
+    def _block(self, use_fp8: bool) -> DecoderBlock:
         cfg = self.cfg
         return DecoderBlock(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
-                            cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype)
+                            cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype,
+                            self.fp8_matmuls if use_fp8 else (), self.fp8_recipe, self.fp8_history)
 
-    def _init_stack(self, rng: jax.Array) -> Any:
-        """Per-layer block params stacked on a new leading "layers" axis (boxed with names)."""
+    def _init_stack(self, rng: jax.Array, collection: str) -> Any:
+        """Per-layer block variables of `collection` stacked on a new leading "layers" axis."""
         cfg = self.cfg
         x = jnp.zeros((1, 1, cfg.hidden_size), self.dtype)
         pos, seg = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
         keys = jax.random.split(rng, cfg.num_layers)
-        stacked = jax.vmap(lambda k: self._block().init(k, x, pos, seg)["params"])(keys)
-        return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), stacked,
-                            is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+        block = self._block(use_fp8=True)  # every layer carries fp8 state: one uniform layout
+        stacked = jax.vmap(lambda k: block.init(k, x, pos, seg)[collection])(keys)
+        boxed = lambda b: isinstance(b, nn.LogicallyPartitioned)
+        # fp8 meta leaves are not boxed: they stay replicated (small, and every device needs them).
+        return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if boxed(b)
+                            else b, stacked, is_leaf=boxed)
 
-    def _layer_fn(self, policy: str, positions_BS, segment_ids_BS):
-        block = self._block()
+    def _layer_fn(self, policy: str, use_fp8: bool, positions_BS, segment_ids_BS):
+        block = self._block(use_fp8)
 
-        def apply(x_BSD, params):
-            return block.apply({"params": params}, x_BSD, positions_BS, segment_ids_BS)[0]
+        def apply(x_BSD, variables):
+            if fp8.META_COLLECTION in variables:
+                # Per layer, after the stack is sliced: the max-combining amax dtype does not
+                # survive slicing. A layer used several times in one grad still max-combines.
+                variables = {**variables, fp8.META_COLLECTION:
+                             fp8.with_max_grad(variables[fp8.META_COLLECTION])}
+            return block.apply(variables, x_BSD, positions_BS, segment_ids_BS)[0]
 
         use_remat, checkpoint_policy = remat.checkpoint_policy(policy)
         if not use_remat:
             return apply
         # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.
         return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.scan_unroll)
+
+    def _segments(self) -> list[tuple[int, int, bool, tuple[str, ...]]]:
+        """(start, end, uses fp8, group pattern) of each contiguous run of layers."""
+        L = self.cfg.num_layers
+        policies = tuple(self.layer_policies) or ("none",) * L
+        fp8_on = tuple(self.fp8_layers) or (bool(self.fp8_matmuls),) * L
+        if len(policies) != L or len(fp8_on) != L:
+            raise ValueError(f"per-layer choices must have num_layers={L} entries")
+        segments, start = [], 0
+        for i in range(1, L + 1):
+            if i == L or fp8_on[i] != fp8_on[start]:
+                segments.append((start, i, fp8_on[start],
+                                 remat.group_pattern(policies[start:i])))
+                start = i
+        return segments
 
     @nn.compact
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
@@ -97,21 +137,23 @@ class Transformer(nn.Module):
         x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0).astype(self.dtype)
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
 
-        stack = self.param("layers", self._init_stack)
-        policies = self.layer_policies or ("none",) * cfg.num_layers
-        if len(policies) != cfg.num_layers:
-            raise ValueError(f"{len(policies)} layer policies for {cfg.num_layers} layers")
-        pattern = remat.group_pattern(tuple(policies))
-        fns = [self._layer_fn(p, positions_BS, segment_ids_BS) for p in pattern]
-        G = len(pattern)
-        grouped = jax.tree.map(lambda a: a.reshape(cfg.num_layers // G, G, *a.shape[1:]), stack)
+        stack = {"params": self.param("layers", self._init_stack, "params")}
+        if self.fp8_matmuls and self.fp8_recipe == "delayed":
+            stack[fp8.META_COLLECTION] = self.variable(
+                fp8.META_COLLECTION, "layers",
+                lambda: self._init_stack(jax.random.key(0), fp8.META_COLLECTION)).value
+        for start, end, use_fp8, pattern in self._segments():
+            fns = [self._layer_fn(p, use_fp8, positions_BS, segment_ids_BS) for p in pattern]
+            G = len(pattern)
+            grouped = jax.tree.map(
+                lambda a: a[start:end].reshape((end - start) // G, G, *a.shape[1:]), stack)
 
-        def group_body(x_BSD, group_params):
-            for g, fn in enumerate(fns):
-                x_BSD = fn(x_BSD, jax.tree.map(lambda a, g=g: a[g], group_params))
-            return x_BSD, None
+            def group_body(x_BSD, group_vars, fns=fns):
+                for g, fn in enumerate(fns):
+                    x_BSD = fn(x_BSD, jax.tree.map(lambda a, g=g: a[g], group_vars))
+                return x_BSD, None
 
-        x_BSD, _ = jax.lax.scan(group_body, x_BSD, grouped, unroll=bool(self.scan_unroll))
+            x_BSD, _ = jax.lax.scan(group_body, x_BSD, grouped, unroll=bool(self.scan_unroll))
 
         x_BSD = RMSNorm(cfg.norm_eps, name="final_norm")(x_BSD)
         head_DV = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),

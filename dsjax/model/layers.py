@@ -1,7 +1,9 @@
 """Layers of the DeepSeek-LLM (Llama-architecture) decoder: RMSNorm, RoPE, attention, SwiGLU MLP.
 
 Parameters are created in float32 with logical axis names; matmuls run in `dtype` (the compute
-dtype) with float32 accumulation where it matters (attention logits and softmax, norms). Numerics
+dtype) with float32 accumulation where it matters (attention logits and softmax, norms), except
+the projections the fp8 precision policy names (`fp8_matmuls`), which run as fp8 GEMMs. The
+attention core (QK^T, softmax, PV) never runs in fp8. Numerics
 follow Hugging Face `LlamaForCausalLM`, our reference: RMSNorm in float32, rotate-half RoPE,
 query head h reads kv head h // R.
 """
@@ -15,7 +17,21 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from dsjax import fp8
+
 Dtype = Any
+
+
+def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """One projection matmul: fp8 GEMMs if the precision policy names it, else the compute dtype.
+
+    fp8 takes the float32 weight directly (quantising it skips a bf16 rounding)."""
+    if name in module.fp8_matmuls:
+        meta = (fp8.meta_variable(module, name, module.fp8_history)
+                if module.fp8_recipe == "delayed" else None)
+        return fp8.fp8_einsum(eq, x, w, recipe=module.fp8_recipe, out_dtype=module.dtype,
+                              meta=meta)
+    return jnp.einsum(eq, x.astype(module.dtype), w.astype(module.dtype))
 
 
 def _param(module: nn.Module, name: str, shape: Sequence[int], names: Sequence[str],
@@ -65,6 +81,9 @@ class Attention(nn.Module):
     rope_theta: float
     init_std: float
     dtype: Dtype = jnp.float32
+    fp8_matmuls: tuple[str, ...] = ()  # of q, k, v, o
+    fp8_recipe: str = "current"
+    fp8_history: int = fp8.DEFAULT_HISTORY
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
@@ -78,9 +97,9 @@ class Attention(nn.Module):
         w_o = _param(self, "o", (H, K, d_model), ("heads", "head_dim", "embed"), self.init_std)
         x = x_BSD.astype(self.dtype)
 
-        q_BSHK = jnp.einsum("BSD,DHK->BSHK", x, w_q.astype(self.dtype))
-        k_BTNK = jnp.einsum("BSD,DNK->BSNK", x, w_k.astype(self.dtype))
-        v_BTNK = jnp.einsum("BSD,DNK->BSNK", x, w_v.astype(self.dtype))
+        q_BSHK = _project(self, "q", "BSD,DHK->BSHK", x, w_q)
+        k_BTNK = _project(self, "k", "BSD,DNK->BSNK", x, w_k)
+        v_BTNK = _project(self, "v", "BSD,DNK->BSNK", x, w_v)
         # Tags name what remat policies may save (see dsjax/remat.py).
         q_BSHK = checkpoint_name(apply_rope(q_BSHK, positions_BS, self.rope_theta), "q_proj")
         k_BTNK = checkpoint_name(apply_rope(k_BTNK, positions_BS, self.rope_theta), "k_proj")
@@ -95,8 +114,7 @@ class Attention(nn.Module):
         probs_BNRST = jax.nn.softmax(logits_BNRST, axis=-1).astype(self.dtype)
         ctx_BSNRK = jnp.einsum("BNRST,BTNK->BSNRK", probs_BNRST, v_BTNK)
         ctx_BSHK = checkpoint_name(ctx_BSNRK.reshape(B, S, H, K), "attn_context")
-        return checkpoint_name(jnp.einsum("BSHK,HKD->BSD", ctx_BSHK, w_o.astype(self.dtype)),
-                               "attn_out")
+        return checkpoint_name(_project(self, "o", "BSHK,HKD->BSD", ctx_BSHK, w_o), "attn_out")
 
 
 class SwiGLU(nn.Module):
@@ -104,6 +122,9 @@ class SwiGLU(nn.Module):
     mlp_dim: int
     init_std: float
     dtype: Dtype = jnp.float32
+    fp8_matmuls: tuple[str, ...] = ()  # of gate, up, down
+    fp8_recipe: str = "current"
+    fp8_history: int = fp8.DEFAULT_HISTORY
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
@@ -112,11 +133,10 @@ class SwiGLU(nn.Module):
         w_up = _param(self, "up", (d_model, F), ("embed", "mlp"), self.init_std)
         w_down = _param(self, "down", (F, d_model), ("mlp", "embed"), self.init_std)
         x = x_BSD.astype(self.dtype)
-        gate_BSF = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_gate.astype(self.dtype)),
-                                   "mlp_gate")
-        up_BSF = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_up.astype(self.dtype)), "mlp_up")
+        gate_BSF = checkpoint_name(_project(self, "gate", "BSD,DF->BSF", x, w_gate), "mlp_gate")
+        up_BSF = checkpoint_name(_project(self, "up", "BSD,DF->BSF", x, w_up), "mlp_up")
         hidden_BSF = nn.with_logical_constraint(jax.nn.silu(gate_BSF) * up_BSF,
                                                 ("act_batch", "act_seq", "act_mlp"))
         hidden_BSF = checkpoint_name(hidden_BSF, "mlp_hidden")
-        return checkpoint_name(jnp.einsum("BSF,FD->BSD", hidden_BSF, w_down.astype(self.dtype)),
+        return checkpoint_name(_project(self, "down", "BSF,FD->BSD", hidden_BSF, w_down),
                                "mlp_out")

@@ -1,0 +1,89 @@
+"""Recomputation trade-off table: temp memory and FLOPs of every policy, compiled, never run.
+
+  python benchmarks/remat_table.py --config configs/deepseek_7b.py --out benchmarks/results/remat_7b.json
+
+Compiles forward+backward of the loss on abstract inputs at the config's full width (one device,
+`--micro_batch` rows of `data.seq_len` tokens) for a few layers, and extrapolates per layer to the
+config's depth (see dsjax/remat_plan.py for why: `cost_analysis` counts a scan body once).
+Prints a table; writes {"config", "rows": [{"policy", "layers", "temp_bytes", "flops",
+"mem_ratio", "flops_ratio", ...}]} with ratios relative to `none`.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+
+ensure_cpu_devices(1)
+
+import jax  # noqa: E402
+
+from dsjax import config as config_lib  # noqa: E402
+from dsjax import remat_plan, sharding  # noqa: E402
+
+ROWS = (("none", "all"), ("full", "all"), ("dots", "all"), ("dots_no_batch", "all"),
+        ("attention_core", "all"), ("names:mlp_hidden,attn_out,mlp_out", "all"),
+        ("offload:mlp_hidden,attn_context", "all"), ("full", "every_2"),
+        ("attention_core", "every_2"), ("dots", "every_2"))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--micro_batch", type=int, default=1, help="rows per device")
+    parser.add_argument("--seq_len", type=int, default=0, help="override data.seq_len")
+    parser.add_argument("--dtype", default="", help="override train.compute_dtype")
+    args = parser.parse_args(argv)
+
+    cfg = config_lib.load(args.config)
+    data = dataclasses.replace(cfg.data, global_batch=args.micro_batch,
+                               seq_len=args.seq_len or cfg.data.seq_len)
+    train = dataclasses.replace(cfg.train, compute_dtype=args.dtype or cfg.train.compute_dtype)
+    mesh_cfg = dataclasses.replace(cfg.mesh, data=1, tensor=1, pipeline=1, fsdp=False)
+    cfg = dataclasses.replace(cfg, data=data, train=train, mesh=mesh_cfg)
+    mesh = sharding.make_mesh(cfg, jax.devices()[:1])
+
+    rows = []
+    for policy, layers in ROWS:
+        t0 = time.perf_counter()
+        cost = remat_plan.measure(cfg, mesh, policy, layers)
+        rows.append(dataclasses.asdict(cost) | {"compile_s": time.perf_counter() - t0})
+    base = rows[0]
+    for r in rows:
+        r["mem_ratio"] = r["temp_bytes"] / base["temp_bytes"]
+        r["flops_ratio"] = r["flops"] / base["flops"]
+        r["activation_bytes_saved_per_layer"] = (base["per_layer_temp_bytes"]
+                                                 - r["per_layer_temp_bytes"])
+    result = {"config": args.config, "seq_len": cfg.data.seq_len, "micro_batch": args.micro_batch,
+              "compute_dtype": cfg.train.compute_dtype, "num_layers": cfg.model.num_layers,
+              "backend": jax.devices()[0].platform,
+              "note": "offload:* is a no-op on CPU (no pinned host memory space): it reads as "
+                      "names:* there",
+              "rows": rows}
+
+    print(f"{args.config}: seq {cfg.data.seq_len}, micro-batch {args.micro_batch}, "
+          f"{cfg.train.compute_dtype}, {cfg.model.num_layers} layers, "
+          f"{jax.devices()[0].platform} compile")
+    header = (f"{'policy':<36} {'layers':<8} {'temp GiB':>9} {'mem':>6} {'TFLOPs':>9} "
+              f"{'flops':>6} {'saved/layer MiB':>16}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['policy']:<36} {r['layers']:<8} {r['temp_bytes'] / 2**30:>9.2f} "
+              f"{r['mem_ratio']:>6.3f} {r['flops'] / 1e12:>9.2f} {r['flops_ratio']:>6.3f} "
+              f"{r['activation_bytes_saved_per_layer'] / 2**20:>16.1f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""FP8 matmuls: an fp8 `dot_general` with a hand-written VJP, three scaling recipes, and the
+delayed-scaling state.
+
+The one idea: operands are cast to fp8 *before* `lax.dot_general`, which receives fp8 tensors and
+`preferred_element_type=float32`; the dequantisation scales are multiplies on the float32 result.
+XLA's GPU gemm rewriter turns that pattern into a cuBLASLt fp8 GEMM on Hopper (custom call
+`__cublas$lt$matmul$f8`; scalar scales and the output cast can fold into its epilogue). On CPU the same program is exact float32
+arithmetic on fp8 values, so tests pin the quantisation bit for bit against `emulate_einsum`.
+
+Formats (Micikevicius et al. 2022, "FP8 formats for deep learning"): activations and weights in
+e4m3 (more mantissa), output gradients in e5m2 (more range). With `scale` the dequantisation
+factor (x ~= x_q * s_x):
+    forward   y  = (x_q . w_q) * (s_x s_w)          e4m3 x e4m3
+    backward  dx = (g_q . w_q) * (s_g s_w)          e5m2 x e4m3
+              dw = (g_q . x_q) * (s_g s_x)          e5m2 x e4m3
+The fp8 x_q, w_q and their scales are the residuals saved for backward (named `FP8_RESIDUAL` so a
+remat policy can keep them): half the bytes of bf16 residuals.
+
+Recipes:
+- "current" (default): per-tensor, s = amax(x) / fp8_max from the tensor itself. Stateless; costs
+  one amax reduction per operand before the cast.
+- "delayed": per-tensor, s = max(amax history of earlier steps) / fp8_max * 2**margin (Transformer
+  Engine's DelayedScaling: history 1024, margin 0, max reduction). Values beyond the range saturate.
+  Until a tensor has history (scale 0), it falls back to current scaling: a scale of 1 would flush
+  every gradient below 2**-16 to zero in e5m2.
+- "rowwise": one scale per index of the non-contracting dims (per token of x, per output column of
+  w, per row of g). Robust to outlier rows/columns. The backward GEMMs contract other dims, so x, w
+  and g are re-quantised along the other axis (x, w in the forward, as fp8 residuals).
+
+Delayed-scaling state. Each matmul owns an `Fp8Meta` (x, w, g rows of an amax history, scales, and
+the last observed amaxes) in the Flax collection `META_COLLECTION` ("fp8_meta"), outside "params",
+so the optimizer, weight decay and gradient clipping never see it. The forward reads the scales.
+The observed amaxes leave through autodiff: the custom VJP returns this step's (amax_x, amax_w,
+amax_g) as the *gradient of `Fp8Meta.amax`*, so `jax.grad` w.r.t. the meta collection yields the
+observations, and the train step writes `commit(meta, meta_grads)` back instead of applying an
+optimizer. Autodiff sums the gradients of a value used several times (a layer applied twice,
+microbatches or pipeline ticks inside one `grad`); `with_max_grad`, called inside the
+differentiated function, gives `amax` Flax's `fp32_max_grad` dtype whose gradient accumulation is a
+maximum. Across separate `grad` calls (gradient accumulation), `combine` takes the maximum; inside a
+`shard_map`, reduce the observations with `lax.pmax` over the axes that split the tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from flax.linen.fp8_ops import fp32_max_grad
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+RECIPES = ("current", "delayed", "rowwise")
+META_COLLECTION = "fp8_meta"
+DEFAULT_HISTORY = 1024
+FP8_RESIDUAL = "fp8_residual"
+X, W, G = 0, 1, 2  # rows of the delayed-scaling state
+_ROW_DTYPES = (E4M3, E4M3, E5M2)
+
+
+def fp8_max(dtype: Any) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantisation (shared by the fp8 path and the emulation: the tests compare the GEMMs, not this).
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """x / scale, saturated to the format's range, cast to fp8. NaN stays NaN (e4m3fn has no inf,
+    so an unsaturated overflow would also become NaN)."""
+    limit = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
+
+
+def amax(x: jax.Array, axis: Any = None) -> jax.Array:
+    return jnp.max(jnp.abs(x), axis=axis).astype(jnp.float32)
+
+
+def current_scale(amax_: jax.Array, dtype: Any) -> jax.Array:
+    """amax / fp8_max; 1 for an all-zero tensor. An infinite amax gives an infinite scale and NaN
+    values downstream, on purpose: an overflow must reach the skip-step check, not be clipped."""
+    # A multiply by a constant, not a division: XLA may fuse a division differently under jit
+    # than eagerly, and then the same call would round its scale two ways.
+    return jnp.where(amax_ > 0, amax_ * (1.0 / fp8_max(dtype)), 1.0).astype(jnp.float32)
+
+
+def quantize_rows(x: jax.Array, reduce_axes: tuple[int, ...], dtype: Any
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Current scaling with one scale per index of the axes *not* in `reduce_axes`; returns the
+    fp8 tensor and the scales with `reduce_axes` removed."""
+    scale = current_scale(amax(x, axis=reduce_axes), dtype)
+    return quantize(x, jnp.expand_dims(scale, reduce_axes), dtype), scale
+
+
+def _outer(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a[i..., None...] * b[None..., j...]: per-row x per-column scales of a GEMM output."""
+    return a.reshape(a.shape + (1,) * b.ndim) * b
+
+
+# ---------------------------------------------------------------------------------------------
+# Dimension bookkeeping: an einsum with no batch dims is one dot_general plus transposes.
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Static description of one fp8 matmul (hashable: a `custom_vjp` nondiff argument)."""
+    x_contract: tuple[int, ...]  # paired with w_contract, position by position
+    w_contract: tuple[int, ...]
+    x_free: tuple[int, ...]
+    w_free: tuple[int, ...]
+    out_perm: tuple[int, ...]  # natural (x_free + w_free) -> requested output order
+    dx_perm: tuple[int, ...]  # (x_free + x dims paired with sorted w_contract) -> x order
+    dw_perm: tuple[int, ...]  # (w_free + w dims paired with sorted x_contract) -> w order
+    recipe: str
+    out_dtype: Any
+    x_dtype: Any
+    w_dtype: Any
+    amax_dtype: Any
+
+
+def _make_spec(x: jax.Array, w: jax.Array, x_contract, w_contract, out_perm, recipe, out_dtype,
+               amax_dtype) -> _Spec:
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r} is not one of {RECIPES}")
+    x_contract, w_contract = tuple(x_contract), tuple(w_contract)
+    x_free = tuple(i for i in range(x.ndim) if i not in x_contract)
+    w_free = tuple(j for j in range(w.ndim) if j not in w_contract)
+    pair_w = dict(zip(w_contract, x_contract))  # w dim -> its x partner
+    pair_x = dict(zip(x_contract, w_contract))
+    dx_axes = list(x_free) + [pair_w[j] for j in sorted(w_contract)]
+    dw_axes = list(w_free) + [pair_x[i] for i in sorted(x_contract)]
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    return _Spec(x_contract, w_contract, x_free, w_free, tuple(out_perm),
+                 tuple(int(i) for i in np.argsort(dx_axes)),
+                 tuple(int(i) for i in np.argsort(dw_axes)), recipe, out_dtype, x.dtype, w.dtype,
+                 amax_dtype)
+
+
+def _transpose(a: jax.Array, perm: tuple[int, ...]) -> jax.Array:
+    return a if perm == tuple(range(a.ndim)) else jnp.transpose(a, perm)
+
+
+def _gemm(a: jax.Array, b: jax.Array, a_contract, b_contract) -> jax.Array:
+    """fp8 x fp8 -> float32. The explicit element type matters: without it the result is fp8."""
+    return lax.dot_general(a, b, ((tuple(a_contract), tuple(b_contract)), ((), ())),
+                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+
+
+def _gemm_emulated(a: jax.Array, b: jax.Array, a_contract, b_contract) -> jax.Array:
+    """The same GEMM on upcast operands in float32 (fp8 values are exact in float32)."""
+    return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
+                           ((tuple(a_contract), tuple(b_contract)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom VJP. `scale` and `amax` are the delayed-scaling inputs (constants otherwise); the
+# gradient of `amax` carries the observed amaxes out of the backward pass.
+
+def _pick(meta_scale: jax.Array, observed: jax.Array, dtype: Any, recipe: str) -> jax.Array:
+    fresh = current_scale(observed, dtype)
+    if recipe == "current":
+        return fresh
+    return jnp.where(meta_scale > 0, meta_scale, fresh)  # first-step guard
+
+
+def _forward(spec: _Spec, x, w, scale, gemm=_gemm):
+    if spec.recipe == "rowwise":
+        xq, sx = quantize_rows(x, spec.x_contract, E4M3)
+        wq, sw = quantize_rows(w, spec.w_contract, E4M3)
+        y = gemm(xq, wq, spec.x_contract, spec.w_contract) * _outer(sx, sw)
+        # Backward operands, scaled along the dims the backward GEMMs keep.
+        xq_t, sx_t = quantize_rows(x, spec.x_free, E4M3)
+        wq_t, sw_t = quantize_rows(w, spec.w_free, E4M3)
+        res = (xq_t, sx_t, wq_t, sw_t, scale[G], jnp.zeros((2,), jnp.float32))
+    else:
+        seen = jnp.stack([amax(x), amax(w)])
+        sx = _pick(scale[X], seen[X], E4M3, spec.recipe)
+        sw = _pick(scale[W], seen[W], E4M3, spec.recipe)
+        xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+        y = gemm(xq, wq, spec.x_contract, spec.w_contract) * (sx * sw)
+        res = (xq, sx, wq, sw, scale[G], seen)
+    res = tuple(checkpoint_name(r, FP8_RESIDUAL) for r in res)
+    return _transpose(y, spec.out_perm).astype(spec.out_dtype), res
+
+
+def _fp8_matmul_fwd(spec: _Spec, x, w, scale, amax_in):
+    del amax_in  # only its gradient matters
+    return _forward(spec, x, w, scale)
+
+
+def _backward(spec: _Spec, res, dy, gemm=_gemm):
+    xq, sx, wq, sw, g_meta_scale, seen = res
+    dy = _transpose(dy, tuple(int(i) for i in np.argsort(spec.out_perm)))
+    n_xf = len(spec.x_free)
+    dy_x = tuple(range(n_xf))  # dy dims that belong to x (its rows)
+    dy_w = tuple(range(n_xf, dy.ndim))  # dy dims that belong to w (its columns)
+    if spec.recipe == "rowwise":
+        gq_x, sg_x = quantize_rows(dy, dy_w, E5M2)
+        gq_w, sg_w = quantize_rows(dy, dy_x, E5M2)
+        dx = gemm(gq_x, wq, dy_w, spec.w_free) * _outer(sg_x, sw)
+        dw = gemm(gq_w, xq, dy_x, spec.x_free) * _outer(sg_w, sx)
+        seen_g = jnp.zeros((1,), jnp.float32)
+    else:
+        seen_g = amax(dy)[None]
+        sg = _pick(g_meta_scale, seen_g[0], E5M2, spec.recipe)
+        gq = quantize(dy, sg, E5M2)
+        dx = gemm(gq, wq, dy_w, spec.w_free) * (sg * sw)
+        dw = gemm(gq, xq, dy_x, spec.x_free) * (sg * sx)
+    dx = _transpose(dx, spec.dx_perm).astype(spec.x_dtype)
+    dw = _transpose(dw, spec.dw_perm).astype(spec.w_dtype)
+    return dx, dw, jnp.concatenate([seen, seen_g])
+
+
+def _fp8_matmul_bwd(spec: _Spec, res, dy):
+    dx, dw, observed = _backward(spec, res, dy)
+    return (dx, dw, jnp.zeros((3,), jnp.float32),
+            lax.convert_element_type(observed, spec.amax_dtype))
+
+
+def _fp8_matmul_impl(spec: _Spec, x, w, scale, amax_in):
+    del amax_in
+    return _forward(spec, x, w, scale)[0]
+
+
+_fp8_matmul = jax.custom_vjp(_fp8_matmul_impl, nondiff_argnums=(0,))
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def _meta_inputs(recipe: str, meta: Fp8Meta | None) -> tuple[jax.Array, jax.Array]:
+    if recipe == "delayed":
+        if meta is None:
+            raise ValueError("fp8 recipe 'delayed' needs `meta` (an Fp8Meta for this matmul)")
+        return lax.stop_gradient(meta.scale), meta.amax
+    if meta is not None:
+        raise ValueError(f"fp8 recipe {recipe!r} is stateless; pass meta=None")
+    return jnp.zeros((3,), jnp.float32), jnp.zeros((3,), jnp.float32)
+
+
+def fp8_dot_general(x: jax.Array, w: jax.Array,
+                    contracting_dims: tuple[tuple[int, ...], tuple[int, ...]], *,
+                    recipe: str = "current", out_dtype: Any = None,
+                    meta: Fp8Meta | None = None) -> jax.Array:
+    """`lax.dot_general(x, w, (contracting_dims, ((), ())))` in fp8; output dims are x's free
+    dims then w's, in `out_dtype` (default x.dtype); `meta` only with recipe "delayed"."""
+    scale, amax_in = _meta_inputs(recipe, meta)
+    n_out = x.ndim + w.ndim - 2 * len(contracting_dims[0])
+    spec = _make_spec(x, w, contracting_dims[0], contracting_dims[1], range(n_out), recipe,
+                      out_dtype, amax_in.dtype)
+    return _fp8_matmul(spec, x, w, scale, amax_in)
+
+
+def parse_einsum(eq: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """"BSD,DHK->BSHK" -> (x contracting dims, paired w contracting dims, output permutation of
+    the natural dot_general order). Only plain matmuls: no batch dims, no single-operand sums."""
+    m = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w*)\s*", eq)
+    if m is None:
+        raise ValueError(f"fp8 einsum {eq!r}: expected 'xdims,wdims->outdims'")
+    xs, ws, out = m.groups()
+    for name, s in (("x", xs), ("w", ws), ("output", out)):
+        if len(set(s)) != len(s):
+            raise ValueError(f"fp8 einsum {eq!r}: repeated letter in the {name} dims")
+    batch = set(xs) & set(ws) & set(out)
+    if batch:
+        raise ValueError(f"fp8 einsum {eq!r}: batch dims {sorted(batch)} are not supported")
+    contract = [c for c in xs if c in ws]
+    natural = [c for c in xs if c not in contract] + [c for c in ws if c not in contract]
+    if sorted(natural) != sorted(out):
+        raise ValueError(f"fp8 einsum {eq!r}: output must hold exactly the uncontracted dims "
+                         f"{''.join(natural)}")
+    return (tuple(xs.index(c) for c in contract), tuple(ws.index(c) for c in contract),
+            tuple(natural.index(c) for c in out))
+
+
+def fp8_einsum(eq: str, x: jax.Array, w: jax.Array, *, recipe: str = "current",
+               out_dtype: Any = None, meta: Fp8Meta | None = None) -> jax.Array:
+    """Drop-in for `jnp.einsum(eq, x, w)` on projections ("BSD,DHK->BSHK", "BSHK,HKD->BSD", ...):
+    fp8 GEMMs forward and backward. Pass the float32 param as `w` (quantising it directly skips a
+    bf16 rounding); `out_dtype` defaults to x.dtype; `meta` only with recipe "delayed"."""
+    x_contract, w_contract, out_perm = parse_einsum(eq)
+    scale, amax_in = _meta_inputs(recipe, meta)
+    spec = _make_spec(x, w, x_contract, w_contract, out_perm, recipe, out_dtype, amax_in.dtype)
+    return _fp8_matmul(spec, x, w, scale, amax_in)
+
+
+# ---------------------------------------------------------------------------------------------
+# Delayed-scaling state.
+
+@struct.dataclass
+class Fp8Meta:
+    """Delayed-scaling state of one matmul; rows X, W, G. Under `nn.scan` every leaf gains a
+    leading layers dim; the functions below broadcast over leading dims."""
+    amax_history: jax.Array  # f32[..., 3, H]; index 0 is the newest step
+    scale: jax.Array  # f32[..., 3]; 0 = no history yet -> current scaling
+    amax: jax.Array  # f32[..., 3]; last committed observation. Its *gradient* is this step's.
+
+
+def init_meta(history_len: int = DEFAULT_HISTORY) -> Fp8Meta:
+    return Fp8Meta(amax_history=jnp.zeros((3, history_len), jnp.float32),
+                   scale=jnp.zeros((3,), jnp.float32), amax=jnp.zeros((3,), jnp.float32))
+
+
+def meta_variable(module: nn.Module, name: str, history_len: int = DEFAULT_HISTORY) -> Fp8Meta:
+    """The `Fp8Meta` called `name` of a Linen module, in the `fp8_meta` collection."""
+    return module.variable(META_COLLECTION, name, init_meta, history_len).value
+
+
+def _is_meta(node: Any) -> bool:
+    return isinstance(node, Fp8Meta)
+
+
+def _f32(a: jax.Array) -> jax.Array:
+    return a if a.dtype == jnp.float32 else lax.convert_element_type(a, jnp.float32)
+
+
+def update_meta(meta: Fp8Meta, observed: jax.Array, margin: float = 0.0) -> Fp8Meta:
+    """Rolls `observed` ([..., 3] amaxes) into the history and recomputes the scales from the
+    history's maximum. A non-finite observation (an overflowed step, or -inf: unused this step)
+    leaves that row's history and scale as they were; an all-zero history keeps scale 0."""
+    observed = _f32(observed)
+    ok = jnp.isfinite(observed)
+    rolled = jnp.concatenate([observed[..., None], meta.amax_history[..., :-1]], axis=-1)
+    history = jnp.where(ok[..., None], rolled, meta.amax_history)
+    top = jnp.max(history, axis=-1)
+    inv_limits = jnp.asarray([1.0 / fp8_max(d) for d in _ROW_DTYPES], jnp.float32)
+    fresh = top * inv_limits * (2.0 ** margin)
+    scale = jnp.where(ok & (top > 0), fresh, meta.scale)
+    return Fp8Meta(history, scale, jnp.where(ok, observed, meta.amax))
+
+
+def commit(meta_tree: Any, meta_grads: Any, margin: float = 0.0) -> Any:
+    """The new fp8_meta collection: every `Fp8Meta` updated with the amaxes that `jax.grad`
+    returned as its `amax` gradient. Write this into the state; never give it to the optimizer."""
+    return jax.tree.map(lambda m, g: update_meta(m, g.amax, margin), meta_tree, meta_grads,
+                        is_leaf=_is_meta)
+
+
+def with_max_grad(meta_tree: Any) -> Any:
+    """Call inside the differentiated function, before the model reads the collection: repeated
+    uses of one `Fp8Meta` then combine their observed amaxes by maximum instead of by sum."""
+    return jax.tree.map(
+        lambda m: m.replace(amax=lax.convert_element_type(m.amax, fp32_max_grad)), meta_tree,
+        is_leaf=_is_meta)
+
+
+def combine(meta_grads_a: Any, meta_grads_b: Any) -> Any:
+    """Max-combines two meta gradients (e.g. of two microbatches) before `commit`."""
+    return jax.tree.map(
+        lambda a, b: a.replace(amax=jnp.maximum(_f32(a.amax), _f32(b.amax))), meta_grads_a,
+        meta_grads_b, is_leaf=_is_meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test and benchmark helpers.
+
+def emulate_einsum(eq: str, x: jax.Array, w: jax.Array, dy: jax.Array, *,
+                   recipe: str = "current", out_dtype: Any = None, meta: Fp8Meta | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(y, dx, dw) of `fp8_einsum` for output gradient `dy`, in float32 arithmetic: the same
+    quantisation and scales, operands upcast, float32 `dot_general`s with the same dimension
+    numbers (so the summation order matches too), the same rescale."""
+    x_contract, w_contract, out_perm = parse_einsum(eq)
+    scale, _ = _meta_inputs(recipe, meta)
+    spec = _make_spec(x, w, x_contract, w_contract, out_perm, recipe, out_dtype, jnp.float32)
+    y, res = _forward(spec, x, w, scale, gemm=_gemm_emulated)
+    dx, dw, _ = _backward(spec, res, dy, gemm=_gemm_emulated)
+    return y, dx, dw
+
+
+_DOT_SIGNATURE = re.compile(
+    r"dot_general.*:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
+
+
+def _element_type(tensor_type: str) -> str:
+    return tensor_type.split(",")[0].split("x")[-1]
+
+
+def dot_general_dtypes(stablehlo: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot_general in StableHLO text, e.g. from
+    `jax.jit(f).lower(...).as_text()`: [("f8E4M3FN", "f8E4M3FN", "f32"), ...]."""
+    found = []
+    for line in stablehlo.splitlines():
+        m = _DOT_SIGNATURE.search(line)
+        if m:
+            found.append(tuple(_element_type(t) for t in m.groups()))
+    return found
+
+
+def fp8_gemm_calls(compiled_hlo: str) -> int:
+    """How many cuBLASLt fp8 GEMMs a compiled GPU program calls (`compiled.as_text()`); 0 on CPU."""
+    return compiled_hlo.count("__cublas$lt$matmul$f8")

@@ -1,0 +1,313 @@
+"""dsjax.fp8: exactness against the float32 emulation, error against unquantised float32, the
+rowwise recipe, delayed-scaling state, what XLA is handed (StableHLO), and a Linen integration."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dsjax import fp8
+
+# The projections of dsjax/model/layers.py, with distinct dim sizes so that a wrong transpose in
+# the backward bookkeeping is a shape error or a large numerical error, never hidden by symmetry.
+EQUATIONS = {
+    "BSD,DHK->BSHK": ((2, 8, 48), (48, 4, 16)),
+    "BSD,DNK->BSNK": ((2, 8, 48), (48, 2, 16)),
+    "BSHK,HKD->BSD": ((2, 8, 4, 16), (4, 16, 48)),
+    "BSD,DF->BSF": ((2, 8, 48), (48, 80)),
+    "BSF,FD->BSD": ((2, 8, 80), (80, 48)),
+}
+
+
+def normal(rng, shape, std=1.0, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape) * std, dtype)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def fp8_vjp(eq, x, w, dy, **kw):
+    """(y, dx, dw) through the custom VJP, jitted like a train step would."""
+    def run(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum(eq, x, w, **kw), x, w)
+        return (y,) + vjp(dy)
+    return jax.jit(run)(x, w, dy)
+
+
+def reference_vjp(eq, x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: jnp.einsum(eq, x, w), x, w)
+    return (y,) + vjp(dy)
+
+
+def stale_meta(x, w, dy, factors=(1.5, 0.8, 2.0)):
+    """Delayed-scaling state as if earlier steps had seen amaxes `factors` times this step's
+    (0.8 on w: some of w saturates, as delayed scaling does when a tensor grows)."""
+    seen = jnp.stack([fp8.amax(x), fp8.amax(w), fp8.amax(dy)]) * jnp.asarray(factors)
+    return fp8.update_meta(fp8.init_meta(16), seen)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_matches_float32_emulation_exactly(recipe):
+    # On CPU XLA upcasts fp8 operands to float32 and runs the float32 GEMM; products of fp8
+    # values are exact in float32 and the emulation uses the same dimension numbers (same
+    # summation order), so any difference is a bug in the fp8 path, not rounding.
+    rng = np.random.default_rng()
+    cases = {}
+    for eq, (xs, ws) in EQUATIONS.items():
+        x, w = normal(rng, xs), normal(rng, ws, 0.05)
+        dy = normal(rng, jax.eval_shape(lambda: jnp.einsum(eq, x, w)).shape, 1e-3)
+        meta = stale_meta(x, w, dy) if recipe == "delayed" else None
+        cases[eq] = (x, w, dy, meta)
+
+    @jax.jit  # one program for all equations: one compile
+    def both(cases):
+        out = {}
+        for eq, (x, w, dy, meta) in cases.items():
+            y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum(eq, x, w, recipe=recipe, meta=meta),
+                             x, w)
+            out[eq] = ((y,) + vjp(dy),
+                       fp8.emulate_einsum(eq, x, w, dy, recipe=recipe, meta=meta))
+        return out
+
+    for eq, (got, want) in both(cases).items():
+        for g, e in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(e), err_msg=eq)
+        # ...and neither is trivially the unquantised product.
+        x, w = cases[eq][:2]
+        assert rel_err(got[0], jnp.einsum(eq, x, w)) > 1e-3, eq
+
+
+def test_bfloat16_operands_and_output():
+    rng = np.random.default_rng()
+    eq = "BSD,DF->BSF"
+    x, w = normal(rng, (2, 8, 48), dtype=jnp.bfloat16), normal(rng, (48, 80), 0.05)
+    dy = normal(rng, (2, 8, 80), dtype=jnp.bfloat16)
+    got = fp8_vjp(eq, x, w, dy, out_dtype=jnp.bfloat16)
+    # Eagerly, not jitted: the scales must not depend on how XLA fuses them.
+    want = fp8.emulate_einsum(eq, x, w, dy, out_dtype=jnp.bfloat16)
+    assert [a.dtype for a in got] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_error_against_unquantised_float32(recipe):
+    # e4m3 keeps 3 mantissa bits (relative rounding error <= 2**-4, RMS ~2.5% across a binade),
+    # e5m2 keeps 2 (<= 2**-3, RMS ~5%). Forward: two e4m3 operands, ~3.5-4% Frobenius error on
+    # N(0, 1) 256x256 inputs -> bound 6e-2. Gradients: e5m2 x e4m3, ~5.5-6% -> bound 8e-2.
+    rng = np.random.default_rng()
+    x, w, dy = (normal(rng, (256, 256)) for _ in range(3))
+    meta = None
+    if recipe == "delayed":  # history from an earlier step with fresh N(0, 1) tensors
+        meta = stale_meta(*(normal(rng, (256, 256)) for _ in range(3)), factors=(1, 1, 1))
+    got = fp8_vjp("MK,KN->MN", x, w, dy, recipe=recipe, meta=meta)
+    want = reference_vjp("MK,KN->MN", x, w, dy)
+    errs = [rel_err(g, e) for g, e in zip(got, want)]
+    assert errs[0] < 6e-2, errs
+    assert max(errs[1:]) < 8e-2, errs
+
+
+def test_rowwise_beats_per_tensor_on_an_outlier_column():
+    # One weight output column 1e5x larger. e4m3 spans 2**-9..448 (about 2e5), so per-tensor
+    # scaling pushes every other column into the subnormals (1e4x costs a little, 1e5x ~35%
+    # error); per-column scales (rowwise on w's free dim) do not notice.
+    rng = np.random.default_rng()
+    x, w = normal(rng, (256, 256)), normal(rng, (256, 256))
+    col = int(rng.integers(256))
+    w = w.at[:, col].multiply(1e5)
+    keep = np.arange(256) != col
+    want = np.asarray(x @ w)[:, keep]
+    errs = {r: rel_err(np.asarray(fp8.fp8_einsum("MK,KN->MN", x, w, recipe=r))[:, keep], want)
+            for r in ("current", "rowwise")}
+    assert errs["rowwise"] < 6e-2, errs  # the same bound as for outlier-free inputs
+    assert errs["current"] > 3 * errs["rowwise"], errs
+
+
+# ---------------------------------------------------------------------------------------------
+# Delayed-scaling state.
+
+def test_history_rolls_newest_first_and_scale_follows_its_max():
+    rng = np.random.default_rng()
+    obs = rng.uniform(0.5, 8.0, (5, 3)).astype(np.float32)
+    meta = fp8.init_meta(4)
+    for o in obs:
+        meta = fp8.update_meta(meta, jnp.asarray(o))
+    np.testing.assert_array_equal(np.asarray(meta.amax_history), obs[::-1][:4].T)
+    limits = np.array([448.0, 448.0, 57344.0], np.float32)
+    # The oldest observation has left the history: the scale ignores it. rtol 2.4e-7: the scale
+    # is a product with a rounded reciprocal, two float32 roundings against numpy's one.
+    np.testing.assert_allclose(meta.scale, obs[1:].max(0) / limits, rtol=2.4e-7)
+    np.testing.assert_array_equal(meta.amax, obs[-1])
+    doubled = fp8.update_meta(meta, jnp.asarray(obs[-1]), margin=1.0)
+    np.testing.assert_allclose(doubled.scale, 2 * obs[2:].max(0) / limits, rtol=2.4e-7)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan, -np.inf])
+def test_non_finite_amax_keeps_the_old_scale(bad):
+    rng = np.random.default_rng()
+    meta = fp8.update_meta(fp8.init_meta(8), jnp.asarray(rng.uniform(1, 4, 3), jnp.float32))
+    obs = jnp.asarray([bad, *rng.uniform(1, 4, 2)], jnp.float32)
+    new = fp8.update_meta(meta, obs)
+    np.testing.assert_array_equal(new.scale[0], meta.scale[0])
+    np.testing.assert_array_equal(new.amax_history[0], meta.amax_history[0])
+    np.testing.assert_array_equal(new.amax_history[1:, 0], obs[1:])  # other rows move on
+
+
+def test_first_step_falls_back_to_current_scaling():
+    rng = np.random.default_rng()
+    eq = "BSD,DF->BSF"
+    x, w = normal(rng, (2, 8, 48)), normal(rng, (48, 80), 0.05)
+    dy = normal(rng, (2, 8, 80), 1e-6)  # small gradients: all below e5m2's 2**-16 ~ 1.5e-5
+    fresh = fp8.init_meta(16)
+    got = fp8_vjp(eq, x, w, dy, recipe="delayed", meta=fresh)
+    current = fp8_vjp(eq, x, w, dy, recipe="current")
+    for g, c in zip(got, current):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+    # Without the guard (a scale of 1, the usual initial value) e5m2 flushes them all to zero.
+    unguarded = fresh.replace(scale=jnp.ones((3,), jnp.float32))
+    _, dx, dw = fp8_vjp(eq, x, w, dy, recipe="delayed", meta=unguarded)
+    assert not np.any(np.asarray(dx)) and not np.any(np.asarray(dw))
+
+
+def _twice(x, w, c1, c2):
+    """Uses one matmul's meta twice in a step, like a layer repeated across microbatches."""
+    def loss(meta):
+        y1 = fp8.fp8_einsum("MK,KN->MN", x, w, recipe="delayed", meta=meta)
+        y2 = fp8.fp8_einsum("MK,KN->MN", 3 * x, w, recipe="delayed", meta=meta)
+        return jnp.sum(y1 * c1) + jnp.sum(y2 * c2)
+    return loss
+
+
+def test_repeated_use_combines_amax_by_maximum():
+    rng = np.random.default_rng()
+    x, w, c1, c2 = (normal(rng, (32, 48)), normal(rng, (48, 16)), normal(rng, (32, 16)),
+                    normal(rng, (32, 16), 5.0))
+    meta = fp8.update_meta(fp8.init_meta(8), jnp.asarray([1.0, 1.0, 1.0]))
+    loss = _twice(x, w, c1, c2)
+    want = [3 * fp8.amax(x), fp8.amax(w), jnp.maximum(fp8.amax(c1), fp8.amax(c2))]
+    grads = jax.jit(jax.grad(lambda m: loss(fp8.with_max_grad(m))))(meta)
+    np.testing.assert_array_equal(grads.amax, jnp.stack(want))
+    assert grads.amax.dtype == jnp.float32
+    # Plain autodiff would add the two uses' amaxes: the reason for `with_max_grad`.
+    summed = jax.jit(jax.grad(loss))(meta).amax
+    np.testing.assert_allclose(summed[0], 4 * fp8.amax(x), rtol=1e-6)
+    # Across separate grad calls (microbatches), `combine` takes the maximum.
+    other = grads.replace(amax=grads.amax * jnp.asarray([0.5, 2.0, 1.0]))
+    np.testing.assert_array_equal(fp8.combine(grads, other).amax,
+                                  grads.amax * jnp.asarray([1.0, 2.0, 1.0]))
+    committed = fp8.commit(meta, grads)
+    np.testing.assert_array_equal(committed.amax_history[:, 0], grads.amax)
+
+
+class _Block(nn.Module):
+    """One fp8 projection with delayed scaling, shaped for `nn.scan`."""
+    features: int
+
+    @nn.compact
+    def __call__(self, x_BSD, _):
+        w_DF = self.param("w", nn.initializers.normal(0.05), (x_BSD.shape[-1], self.features))
+        meta = fp8.meta_variable(self, "proj", history_len=8)
+        y = fp8.fp8_einsum("BSD,DF->BSF", x_BSD, w_DF, recipe="delayed", meta=meta)
+        return x_BSD + y, None
+
+
+class _Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x_BSD):
+        stack = nn.scan(_Block, variable_axes={"params": 0, fp8.META_COLLECTION: 0},
+                        split_rngs={"params": True}, in_axes=nn.broadcast, length=2)
+        return stack(x_BSD.shape[-1], name="layers")(x_BSD, None)[0]
+
+
+def test_linen_meta_collection_round_trip():
+    """The integration the train step uses: meta in its own collection, scanned per layer,
+    the layer applied twice per step; grads w.r.t. params and meta; commit the meta."""
+    rng = np.random.default_rng()
+    model = _Stack()
+    x = normal(rng, (2, 8, 32))
+    variables = model.init(jax.random.key(int(rng.integers(1 << 30))), x)
+    params, meta = variables["params"], variables[fp8.META_COLLECTION]
+    assert meta["layers"]["proj"].amax_history.shape == (2, 3, 8)  # layers, rows, history
+
+    def loss_fn(params, meta, x):
+        v = {"params": params, fp8.META_COLLECTION: fp8.with_max_grad(meta)}
+        return jnp.sum(model.apply(v, x) ** 2) + jnp.sum(model.apply(v, 0.5 * x) ** 2)
+
+    @jax.jit
+    def step(params, meta, x):
+        grads, meta_grads = jax.grad(loss_fn, argnums=(0, 1))(params, meta, x)
+        return grads, fp8.commit(meta, meta_grads)
+
+    grads, meta1 = step(params, meta, x)
+    seen = meta1["layers"]["proj"]
+    # Layer 0 sees x (amax max(x, 0.5x) = amax(x)); its weight amax is its own.
+    np.testing.assert_array_equal(seen.amax[0, fp8.X], fp8.amax(x))
+    np.testing.assert_array_equal(seen.amax[:, fp8.W],
+                                  fp8.amax(params["layers"]["w"], axis=(1, 2)))
+    assert np.all(np.asarray(seen.scale) > 0) and np.all(np.isfinite(np.asarray(seen.scale)))
+    np.testing.assert_array_equal(seen.amax_history[..., 1:], 0.0)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+    _, meta2 = step(params, meta1, x)
+    np.testing.assert_array_equal(meta2["layers"]["proj"].amax_history[..., 1],
+                                  seen.amax_history[..., 0])
+
+
+def test_sharding_does_not_change_the_math():
+    # Per-tensor amax of a sharded tensor is a global max (GSPMD inserts the all-reduce), so
+    # the forward is bit-identical; dw contracts over the sharded batch, whose partial sums are
+    # added in another order: float32 rounding, 1e-6 relative.
+    rng = np.random.default_rng()
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    eq = "BSD,DF->BSF"
+    x, w, dy = normal(rng, (8, 4, 48)), normal(rng, (48, 80), 0.05), normal(rng, (8, 4, 80))
+    single = fp8_vjp(eq, x, w, dy)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    sharded = fp8_vjp(eq, put(x, P("data")), put(w, P(None, "tensor")),
+                      put(dy, P("data", None, "tensor")))
+    np.testing.assert_array_equal(np.asarray(sharded[0]), np.asarray(single[0]))
+    for s, g in zip(sharded[1:], single[1:]):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(g), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# What XLA is handed.
+
+def test_stablehlo_feeds_fp8_operands_to_dot_general():
+    rng = np.random.default_rng()
+    x, w = normal(rng, (2, 8, 48), dtype=jnp.bfloat16), normal(rng, (48, 80))
+    c = normal(rng, (2, 8, 80))
+
+    def loss(x, w):
+        y = fp8.fp8_einsum("BSD,DF->BSF", x, w, out_dtype=jnp.bfloat16)
+        return jnp.sum(y.astype(jnp.float32) * c)
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+    dots = fp8.dot_general_dtypes(text)
+    assert sorted(dots) == sorted([("f8E4M3FN", "f8E4M3FN", "f32"),  # forward
+                                   ("f8E5M2", "f8E4M3FN", "f32"),  # dx = g . w
+                                   ("f8E5M2", "f8E4M3FN", "f32")]), dots  # dw = g . x
+    fwd = fp8.dot_general_dtypes(jax.jit(loss).lower(x, w).as_text())
+    assert fwd == [("f8E4M3FN", "f8E4M3FN", "f32")], fwd
+
+
+def test_dot_general_dtypes_reads_plain_dots_too():
+    text = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8), jnp.bfloat16),
+                                             jnp.ones((8, 2), jnp.bfloat16)).as_text()
+    assert fp8.dot_general_dtypes(text) == [("bf16", "bf16", "bf16")]
+
+
+def test_bad_calls_name_the_problem():
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="needs `meta`"):
+        fp8.fp8_einsum("MK,KN->MN", x, w, recipe="delayed")
+    with pytest.raises(ValueError, match="stateless"):
+        fp8.fp8_einsum("MK,KN->MN", x, w, meta=fp8.init_meta(4))
+    with pytest.raises(ValueError, match="batch dims"):
+        fp8.fp8_einsum("BMK,BKN->BMN", jnp.ones((2, 2, 4)), jnp.ones((2, 4, 3)))
+    with pytest.raises(ValueError, match="not one of"):
+        fp8.fp8_einsum("MK,KN->MN", x, w, recipe="blockwise")
