@@ -311,3 +311,108 @@ def test_bad_calls_name_the_problem():
         fp8.fp8_einsum("BMK,BKN->BMN", jnp.ones((2, 2, 4)), jnp.ones((2, 4, 3)))
     with pytest.raises(ValueError, match="not one of"):
         fp8.fp8_einsum("MK,KN->MN", x, w, recipe="blockwise")
+
+
+# ---------------------------------------------------------------------------------------------
+# The precision policy inside the real train step.
+
+def _train_cfg(**overrides):
+    import os
+    from conftest import ROOT, TINY_FLAGS
+    from dsjax import config as config_lib
+    base = {**TINY_FLAGS, "model.num_layers": 4, "train.compute_dtype": "fp8",
+            "fp8.other_dtype": "float32"}
+    return config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), {**base, **overrides})
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"fp8.matmuls": "gate,up,down", "fp8.keep_first_layers": 1},
+    {"fp8.keep_last_layers": 2, "fp8.recipe": "delayed"},
+], ids=["all-projections", "mlp-only-first-kept", "last-two-kept-delayed"])
+def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides):
+    import sys
+    import os
+    from conftest import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import fp8_hlo  # the benchmark's counting is what this test pins
+    from dsjax import sharding
+    from dsjax.train import abstract_state, build_trainer
+
+    trainer = build_trainer(_train_cfg(**overrides))
+    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.float32 if k == "weights" else jnp.int32,
+                                     sharding=s) for k, s in trainer.batch_shardings.items()}
+    with sharding.activate(trainer.mesh, trainer.rules):
+        text = trainer.step_fn.lower(abstract_state(trainer), batch).as_text()
+    dots = fp8.dot_general_dtypes(text)
+    fp8_dots = [d for d in dots if d[0].startswith("f8") or d[1].startswith("f8")]
+    high = [d for d in dots if d not in fp8_dots]
+    expected_fp8, expected_high = fp8_hlo.expected_counts(trainer)
+    assert len(fp8_dots) == expected_fp8 and len(high) == expected_high, (dots, overrides)
+    # forward e4m3 x e4m3, both backward GEMMs e5m2 x e4m3, always a float32 result
+    assert fp8_dots.count(("f8E4M3FN", "f8E4M3FN", "f32")) * 3 == expected_fp8
+    assert fp8_dots.count(("f8E5M2", "f8E4M3FN", "f32")) * 3 == 2 * expected_fp8
+    assert all(d[0] == d[1] == d[2] == "f32" for d in high)
+
+
+def test_delayed_scaling_state_trains_outside_the_optimizer():
+    from conftest import random_batch
+    from dsjax.train import build_trainer
+
+    trainer = build_trainer(_train_cfg(**{"fp8.recipe": "delayed", "fp8.keep_first_layers": 1}))
+    state = trainer.init()
+    assert not any(isinstance(x, fp8.Fp8Meta) for x in jax.tree.leaves(
+        state.opt_state, is_leaf=lambda x: isinstance(x, fp8.Fp8Meta)))
+    batch = trainer.device_batch(random_batch(np.random.default_rng(0), 8, 32))
+    state, m = trainer.step(state, batch)
+    assert bool(m["finite"])
+    q = state.fp8_meta["layers"]["attn"]["q"]
+    scale = np.asarray(q.scale)  # [layers, (x, w, g)]
+    assert np.all(scale[0] == 0)   # layer 0 is kept in float32: its meta never moves
+    assert np.all(scale[1:] > 0)   # fp8 layers learnt their scales from the first step
+    assert np.all(np.asarray(q.amax_history)[1:, :, 0] > 0)
+
+
+def test_float16_overflow_halves_the_scale_and_skips_the_step():
+    from conftest import random_batch
+    from dsjax.train import build_trainer
+
+    trainer = build_trainer(_train_cfg(**{"train.compute_dtype": "float16"}))
+    state = trainer.init()
+    batch = trainer.device_batch(random_batch(np.random.default_rng(1), 8, 32))
+    state, m = trainer.step(state, batch)  # a normal step at the default scale 2**15
+    assert bool(m["finite"]) and int(state.step) == 1
+    # Inject an overflow: a scale so large the float16 backward pass overflows to inf.
+    state = state.replace(loss_scale=state.loss_scale.replace(
+        scale=jnp.asarray(2.0 ** 60, jnp.float32)))
+    before = jax.device_get(state.params)
+    state, m = trainer.step(state, batch)
+    assert not bool(m["finite"])
+    assert float(state.loss_scale.scale) == 2.0 ** 59 and int(state.loss_scale.skipped_steps) == 1
+    assert int(state.step) == 1
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_delayed_fp8_run_resumes_with_the_same_losses(tmp_path):
+    import json
+    import os
+    import shutil
+    from conftest import run_launch
+
+    flags = {"train.compute_dtype": "fp8", "fp8.recipe": "delayed", "fp8.other_dtype": "float32",
+             "fp8.keep_first_layers": 1, "model.num_layers": 3, "remat.policy": "attention_core"}
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    proc = run_launch(full, flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(os.path.join(full, "checkpoints", "2"),
+                    os.path.join(resumed, "checkpoints", "2"))
+    proc = run_launch(resumed, flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def losses(workdir):
+        with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    first, second = losses(full), losses(resumed)
+    # The amax history is in the checkpoint, so step 3's scales (and losses) are identical.
+    assert second == {3: first[3], 4: first[4]}

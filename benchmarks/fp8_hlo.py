@@ -1,0 +1,101 @@
+"""Which matmuls of a compiled train step run in fp8: counted in the program, not assumed.
+
+  python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke --out benchmarks/results/fp8_hlo_smoke.json
+
+Lowers one training step of the config (abstract inputs, nothing runs) and lists every
+`dot_general` of the StableHLO with its operand dtypes. The expected count comes from the precision
+policy: each fp8 projection is 3 GEMMs (forward e4m3 x e4m3; dgrad and wgrad e5m2 x e4m3) per
+distinct layer body in the scanned stack. Recomputation duplicates forward dots in the backward,
+so counts are taken with `remat.policy = none` (the precision policy is independent of it). On GPU
+it also compiles the step and counts cuBLASLt fp8 GEMMs (`__cublas$lt$matmul$f8`) in the optimised
+HLO, and fp8 operands that ended up in Triton GEMM fusions instead (should be none).
+Prints a table; writes {"config", "fp8_dots", "expected_fp8_dots", "high_precision_dots",
+"expected_high_precision_dots", "cublas_fp8_gemms" (null on CPU), "triton_fp8_fusions", "dots"}.
+"""
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsjax.config import load  # noqa: E402  (no JAX import yet)
+from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+
+ATTENTION_CORE_DOTS = 6  # QK^T and PV forward, two gradients each backward
+HEAD_DOTS = 3            # output head: forward, dgrad, wgrad
+MATMULS = 7              # q, k, v, o, gate, up, down
+
+
+def expected_counts(trainer) -> tuple[int, int]:
+    """(fp8 dots, high-precision dots) the precision policy implies for one step's program."""
+    model = trainer.model
+    fp8_names = len(model.fp8_matmuls)
+    fp8_dots = high = 0
+    for _, _, use_fp8, pattern in model._segments():  # pylint: disable=protected-access
+        n = len(pattern)  # distinct layer bodies in this segment's scan
+        in_fp8 = fp8_names if use_fp8 else 0
+        fp8_dots += 3 * in_fp8 * n
+        high += (ATTENTION_CORE_DOTS + 3 * (MATMULS - in_fp8)) * n
+    return fp8_dots, high + HEAD_DOTS
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+
+    cfg = load(args.config)
+    ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    import jax  # pylint: disable=import-outside-toplevel
+    from dsjax import fp8, sharding  # pylint: disable=import-outside-toplevel
+    from dsjax.train import abstract_state, build_trainer  # pylint: disable=import-outside-toplevel
+
+    cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="none",
+                                                             layers="all"))
+    trainer = build_trainer(cfg)
+    state = abstract_state(trainer)
+    shape = (cfg.data.global_batch, cfg.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, "float32" if k == "weights" else "int32",
+                                     sharding=trainer.batch_shardings[k])
+             for k in trainer.batch_shardings}
+    with sharding.activate(trainer.mesh, trainer.rules):
+        lowered = trainer.step_fn.lower(state, batch)
+    dots = fp8.dot_general_dtypes(lowered.as_text())
+    is_fp8 = lambda d: any(t.startswith("f8") for t in d[:2])
+    kinds = collections.Counter(" x ".join(d[:2]) + " -> " + d[2] for d in dots)
+    expected_fp8, expected_high = expected_counts(trainer)
+    result = {"config": args.config, "compute_dtype": cfg.train.compute_dtype,
+              "fp8_recipe": cfg.fp8.recipe, "fp8_matmuls": cfg.fp8.matmuls,
+              "fp8_dots": sum(map(is_fp8, dots)), "expected_fp8_dots": expected_fp8,
+              "high_precision_dots": sum(not is_fp8(d) for d in dots),
+              "expected_high_precision_dots": expected_high,
+              "fp8_result_dtypes": sorted({d[2] for d in dots if is_fp8(d)}),
+              "cublas_fp8_gemms": None, "triton_fp8_fusions": None,
+              "backend": jax.devices()[0].platform, "dots": dict(kinds)}
+    if jax.devices()[0].platform == "gpu":
+        hlo = lowered.compile().as_text()
+        result["cublas_fp8_gemms"] = fp8.fp8_gemm_calls(hlo)
+        result["triton_fp8_fusions"] = len(re.findall(r"__triton_gemm[^\n]*f8e", hlo))
+
+    print(f"{args.config}: compute {cfg.train.compute_dtype}, recipe {cfg.fp8.recipe}, "
+          f"matmuls {cfg.fp8.matmuls} (counts with remat none)")
+    print(f"{'operands -> result':<40} {'dots':>5}")
+    for kind, n in sorted(kinds.items()):
+        print(f"{kind:<40} {n:>5}")
+    print(f"fp8 dots {result['fp8_dots']} (expected {expected_fp8}), high-precision dots "
+          f"{result['high_precision_dots']} (expected {expected_high}), cuBLASLt fp8 GEMMs "
+          f"{result['cublas_fp8_gemms']}, Triton fp8 fusions {result['triton_fp8_fusions']}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
