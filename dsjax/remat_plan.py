@@ -81,9 +81,14 @@ def _flops(compiled: Any) -> float:
     return float(cost["flops"])
 
 
-@functools.lru_cache(maxsize=64)  # configs and meshes are hashable; compiling is the cost
 def measure(cfg: Config, mesh: Mesh, policy: str, layers: str) -> PolicyCost:
     """Predicted temp memory and FLOPs of one (policy, layers) choice at cfg's full depth."""
+    # The result does not depend on cfg.remat (it is overridden below): drop it from the key.
+    return _measure(dataclasses.replace(cfg, remat=type(cfg.remat)()), mesh, policy, layers)
+
+
+@functools.lru_cache(maxsize=64)  # configs and meshes are hashable; compiling is the cost
+def _measure(cfg: Config, mesh: Mesh, policy: str, layers: str) -> PolicyCost:
     costs = {}
     for groups in (1, 2):
         small, group = _with_depth(cfg, policy, layers, groups)
@@ -114,7 +119,8 @@ def device_memory_bytes() -> float | None:
     return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def choose(cfg: Config, mesh: Mesh, log=print) -> tuple[str, str, list[PolicyCost]]:
+def choose(cfg: Config, mesh: Mesh, log=print, candidates=CANDIDATES
+           ) -> tuple[str, str, list[PolicyCost]]:
     """The cheapest (fewest FLOPs) candidate whose predicted memory fits the budget."""
     if cfg.remat.memory_budget_gb:
         budget = cfg.remat.memory_budget_gb * 2 ** 30
@@ -125,7 +131,7 @@ def choose(cfg: Config, mesh: Mesh, log=print) -> tuple[str, str, list[PolicyCos
                               "devices that do not report their memory (e.g. CPU)")
         budget = 0.9 * limit
     static = static_bytes_per_device(cfg, mesh)
-    rows = [measure(cfg, mesh, p, l) for p, l in CANDIDATES]
+    rows = [measure(cfg, mesh, p, l) for p, l in candidates]
     fitting = [r for r in rows if r.temp_bytes + static <= budget]
     if not fitting:
         table = "; ".join(f"{r.policy}/{r.layers}: {(r.temp_bytes + static) / 2**30:.2f} GiB"
