@@ -47,16 +47,22 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--preset", default=None, help="a model preset of step_time.py (1b, smoke)")
     args = parser.parse_args(argv)
 
     cfg = load(args.config)
+    if args.preset:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import step_time  # pylint: disable=import-outside-toplevel
+        cfg = step_time._apply_preset(cfg, args.preset)  # pylint: disable=protected-access
     ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import fp8, sharding  # pylint: disable=import-outside-toplevel
     from dsjax.train import abstract_state, build_trainer  # pylint: disable=import-outside-toplevel
 
     cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="none",
-                                                             layers="all"))
+                                                             layers="all"),
+                              optim=dataclasses.replace(cfg.optim, name="adamw"))
     trainer = build_trainer(cfg)
     state = abstract_state(trainer)
     shape = (cfg.data.global_batch, cfg.data.seq_len)
@@ -82,7 +88,7 @@ def main(argv=None) -> dict:
         result["cublas_fp8_gemms"] = fp8.fp8_gemm_calls(hlo)
         result["triton_fp8_fusions"] = len(re.findall(r"__triton_gemm[^\n]*f8e", hlo))
 
-    print(f"{args.config}: compute {cfg.train.compute_dtype}, recipe {cfg.fp8.recipe}, "
+    print(f"{args.config}: (optimizer counted as adamw) compute {cfg.train.compute_dtype}, recipe {cfg.fp8.recipe}, "
           f"matmuls {cfg.fp8.matmuls} (counts with remat none)")
     print(f"{'operands -> result':<40} {'dots':>5}")
     for kind, n in sorted(kinds.items()):

@@ -39,6 +39,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--micro_batch", type=int, default=1, help="rows per device")
     parser.add_argument("--seq_len", type=int, default=0, help="override data.seq_len")
     parser.add_argument("--dtype", default="", help="override train.compute_dtype")
+    parser.add_argument("--rows", default="", help="only these policy/layers rows, e.g. "
+                        "none/all,attention_core/all")
     args = parser.parse_args(argv)
 
     cfg = config_lib.load(args.config)
@@ -49,8 +51,13 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, data=data, train=train, mesh=mesh_cfg)
     mesh = sharding.make_mesh(cfg, jax.devices()[:1])
 
+    wanted = ROWS
+    if args.rows:
+        wanted = tuple(tuple(r.split("/")) for r in args.rows.split(","))
+        if wanted[0] != ("none", "all"):
+            wanted = (("none", "all"),) + wanted  # ratios are relative to none
     rows = []
-    for policy, layers in ROWS:
+    for policy, layers in wanted:
         t0 = time.perf_counter()
         cost = remat_plan.measure(cfg, mesh, policy, layers)
         rows.append(dataclasses.asdict(cost) | {"compile_s": time.perf_counter() - t0})

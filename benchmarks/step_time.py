@@ -1,0 +1,152 @@
+"""Side-by-side step time, tokens/s, MFU and memory of several configs, measured in one process.
+
+  python benchmarks/step_time.py --config configs/h100_bf16.py --config configs/h100_fp8.py \
+      --preset 1b --out benchmarks/results/step_time_1b.json
+
+Builds every config's trainer, then alternates rounds of `--steps` timed steps between them (so
+machine drift hits all of them), on synthetic packed batches. `--preset 1b` swaps in a ~1.2B
+DeepSeek-architecture model on one device (the GPU suite's size); `--preset smoke` a tiny one for
+CPU. Reports medians per config and ratios to the first config; writes {"rows": [...],
+"ratios": {...}}. Memory: the device's peak bytes in use where it reports them, else the compiled
+step's memory_analysis (labelled).
+"""
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsjax.config import load  # noqa: E402
+from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+
+PRESETS = {
+    # ~1.23B parameters: 16 x 2048 wide, 16 heads of 128, SwiGLU 5504, DeepSeek's vocab.
+    "1b": dict(model=dict(num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=16,
+                          mlp_dim=5504, vocab_size=102400),
+               seq_len=2048, global_batch=8, mesh=(1, 1, 1)),
+    "smoke": dict(model=dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4,
+                             mlp_dim=256, vocab_size=512),
+                  seq_len=64, global_batch=8, mesh=(1, 1, 1)),
+}
+
+
+def _apply_preset(cfg, preset):
+    if not preset:
+        return cfg
+    p = PRESETS[preset]
+    data, tensor, pipeline = p["mesh"]
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, **p["model"]),
+        mesh=dataclasses.replace(cfg.mesh, data=data, tensor=tensor, pipeline=pipeline,
+                                 fsdp=False),
+        data=dataclasses.replace(cfg.data, seq_len=p["seq_len"], global_batch=p["global_batch"]))
+
+
+def _load(spec: str):
+    """`configs/NAME.py[:ARG][|section.field=value|...]`: a config plus overrides."""
+    path, *pairs = spec.split("|")
+    overrides = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            overrides[key] = raw
+    return load(path, overrides)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", action="append", required=True,
+                        help="configs/NAME.py[:ARG][|section.field=value...]; repeat to compare")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    cfgs = [_apply_preset(_load(c), args.preset) for c in args.config]
+    ensure_cpu_devices(max(c.mesh.data * c.mesh.tensor * c.mesh.pipeline for c in cfgs))
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
+    from dsjax import sharding  # pylint: disable=import-outside-toplevel
+    from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
+
+    peak, peak_source = mx.peak_flops_per_device()
+    runs = []
+    for name, cfg in zip(args.config, cfgs):
+        devices = jax.devices()[:cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline]
+        trainer = build_trainer(cfg, sharding.make_mesh(cfg, devices))
+        rng = np.random.default_rng(0)
+        B, S = cfg.data.global_batch, cfg.data.seq_len
+        tokens = rng.integers(0, min(cfg.model.vocab_size, 50000), (B, S + 1)).astype(np.int32)
+        host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                "segment_ids": np.ones((B, S), np.int32),
+                "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
+                "weights": np.ones((B, S), np.float32)}
+        batch = trainer.device_batch(host)
+        state = trainer.init()
+        t0 = time.perf_counter()
+        state, m = trainer.step(state, batch)
+        jax.block_until_ready(m)
+        runs.append({"name": name, "cfg": cfg, "trainer": trainer, "state": state,
+                     "batch": batch, "times": [], "compile_s": time.perf_counter() - t0,
+                     "devices": devices})
+    for _ in range(args.rounds):
+        for run in runs:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                run["state"], m = run["trainer"].step(run["state"], run["batch"])
+            jax.block_until_ready(m)
+            run["times"].append((time.perf_counter() - t0) / args.steps)
+            run["loss"] = float(m["loss"])
+
+    rows = []
+    for run in runs:
+        cfg, step_s = run["cfg"], statistics.median(run["times"])
+        tokens = cfg.data.global_batch * cfg.data.seq_len
+        flops = mx.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+        stats = run["devices"][0].memory_stats() or {}
+        mem, mem_source = stats.get("peak_bytes_in_use"), "device memory_stats peak (process)"
+        if mem is None:
+            with sharding.activate(run["trainer"].mesh, run["trainer"].rules):
+                ma = run["trainer"].step_fn.lower(run["state"], run["batch"]).compile() \
+                    .memory_analysis()
+            mem = ma.temp_size_in_bytes + ma.argument_size_in_bytes
+            mem_source = "compiled memory_analysis (temp + arguments, per device)"
+        rows.append({"config": run["name"], "compute_dtype": cfg.train.compute_dtype,
+                     "remat": cfg.remat.policy, "step_ms": 1000 * step_s,
+                     "tokens_per_sec": tokens / step_s,
+                     "samples_per_sec": cfg.data.global_batch / step_s,
+                     "mfu": flops / step_s / (peak * len(run["devices"])),
+                     "mem_bytes": mem, "mem_source": mem_source,
+                     "compile_s": run["compile_s"], "final_loss": run["loss"]})
+    base = rows[0]
+    ratios = {r["config"]: {"step_ms": r["step_ms"] / base["step_ms"],
+                            "tokens_per_sec": r["tokens_per_sec"] / base["tokens_per_sec"]}
+              for r in rows}
+    result = {"preset": args.preset, "peak_flops_per_device": peak, "peak_source": peak_source,
+              "device": jax.devices()[0].device_kind, "rows": rows, "ratios": ratios}
+    print(f"{'config':<32} {'dtype':<9} {'ms/step':>9} {'tok/s':>10} {'MFU':>6} "
+          f"{'mem GiB':>8} {'x base':>7}")
+    for r in rows:
+        mem = f"{r['mem_bytes'] / 2**30:8.2f}" if r["mem_bytes"] else f"{'n/a':>8}"
+        print(f"{r['config']:<32} {r['compute_dtype']:<9} {r['step_ms']:>9.1f} "
+              f"{r['tokens_per_sec']:>10,.0f} {100 * r['mfu']:>5.1f}% {mem} "
+              f"{ratios[r['config']]['tokens_per_sec']:>7.3f}")
+    print(f"MFU against {peak:.3g} FLOP/s per device ({peak_source})")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
