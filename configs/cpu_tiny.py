@@ -58,6 +58,11 @@ def get_config(arg=None):
         b1=0.9, b2=0.95, eps=1e-8,  # Adam moments
         weight_decay=0.1,    # decoupled weight decay (not on norms)
         clip_norm=1.0,       # global-norm gradient clipping (0 = off)
+        # 1-bit Adam (name="onebit_adam"; docs/onebit.md). Not used by adamw.
+        freeze_step=120,     # exact Adam steps before v freezes and 1-bit compression starts (20%)
+        bucket_mb=32.0,      # MiB of momentum per compressed all-reduce (0 = one per tensor)
+        bias_correction=False,  # Adam's bias correction (False = DeepSpeed's OnebitAdam)
+        error_feedback=True,    # carry each step's compression error into the next (ablation: off)
     ))
     c.fp8 = ConfigDict(dict(
         recipe="current",    # current | delayed | rowwise scaling (when compute_dtype = fp8)

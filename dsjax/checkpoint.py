@@ -4,6 +4,9 @@ The one idea: a checkpoint is a step directory managed by `ocp.CheckpointManager
 items, so a reader can take only what it needs:
   params     the float32 master weights (StandardSave pytree)
   train      optimizer state, loss scale, fp8 scaling state (everything else that is trained)
+  errors     1-bit Adam only: the per-worker error buffers. Their layout (mesh, bucket shapes) is
+             in `meta`, so a run on another data-parallel size sees the mismatch before reading
+             them and starts them from zero instead (DeepSpeed resets them on every load).
   data       the data iterator position (JSON)
   meta       the model config and step (JSON), checked before any array is read
 `dsjax.convert` writes `params` + `meta` only; such a checkpoint starts a run
@@ -25,7 +28,7 @@ import orbax.checkpoint as ocp
 
 from dsjax.config import ModelConfig
 
-ITEMS = ("params", "train", "data", "meta")
+ITEMS = ("params", "train", "errors", "data", "meta")
 
 
 class CheckpointError(ValueError):
@@ -43,8 +46,12 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def model_meta(model: ModelConfig, step: int) -> dict[str, Any]:
-    return {"format": "dsjax-checkpoint-v1", "model": dataclasses.asdict(model), "step": int(step)}
+def model_meta(model: ModelConfig, step: int, errors_layout: dict | None = None
+               ) -> dict[str, Any]:
+    meta = {"format": "dsjax-checkpoint-v1", "model": dataclasses.asdict(model), "step": int(step)}
+    if errors_layout is not None:
+        meta["errors_layout"] = errors_layout
+    return meta
 
 
 def check_model(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
@@ -76,14 +83,17 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, params: Any, train: Any, data_state: dict | None,
-             model: ModelConfig) -> None:
-        """Saves (asynchronously when enabled); refuses non-finite values."""
-        if not bool(all_finite(params)) or not bool(all_finite(train)):
+             model: ModelConfig, errors: Any = None, errors_layout: dict | None = None) -> None:
+        """Saves (asynchronously when enabled); refuses non-finite values. `errors`: 1-bit
+        Adam's error buffers, restored only onto the same `errors_layout` (JSON-able)."""
+        if not all(bool(all_finite(tree)) for tree in (params, train, errors or {})):
             raise CheckpointError(f"refusing to save step {step}: parameters or optimizer state "
                                   "contain NaN/Inf")
         items = dict(params=ocp.args.StandardSave(params),
                      train=ocp.args.StandardSave(train),
-                     meta=ocp.args.JsonSave(model_meta(model, step)))
+                     meta=ocp.args.JsonSave(model_meta(model, step, errors_layout)))
+        if errors is not None:
+            items["errors"] = ocp.args.StandardSave(errors)
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -111,6 +121,30 @@ class Checkpointer:
         except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
             raise CheckpointError(f"could not restore {where}: {type(e).__name__}: {e}") from e
         return restored["params"], restored["train"], restored.get("data") if has_data else None
+
+    def restore_errors(self, step: int, errors: Any, layout: dict
+                       ) -> tuple[Any | None, str | None]:
+        """1-bit Adam's error buffers of `step` onto the shardings of `errors`, if they were
+        written with the same `layout`; else (None, why not) and nothing is read."""
+        where = f"checkpoint step {step}"
+        saved = self.read_meta(step).get("errors_layout")
+        if saved is None or not os.path.isdir(os.path.join(self.directory, str(step), "errors")):
+            return None, f"{where} has no 1-bit Adam error buffers"
+        if saved != layout:
+            old, new = saved.get("mesh", {}), layout.get("mesh", {})
+            if old.get("data") != new.get("data"):
+                why = f"mesh.data {old.get('data')}, this run has mesh.data {new.get('data')}"
+            else:
+                why = (f"mesh {old} and error buffers {saved.get('shapes')}, this run has mesh "
+                       f"{new} and {layout.get('shapes')} (optim.bucket_mb or the mesh changed)")
+            return None, f"{where} was written with {why}"
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                errors=ocp.args.StandardRestore(_abstract(errors))))
+        except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
+            raise CheckpointError(f"could not restore the error buffers of {where} in "
+                                  f"{self.directory}: {type(e).__name__}: {e}") from e
+        return restored["errors"], None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

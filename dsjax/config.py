@@ -21,8 +21,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
 FP8_RECIPES = ("current", "delayed", "rowwise")
 FP8_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 NONFINITE_POLICIES = ("stop", "skip")
-OPTIMIZERS = ("adamw",)
-PLANNED_OPTIMIZERS = {"onebit_adam": "1-bit Adam lands with its own issue (#6)"}
+OPTIMIZERS = ("adamw", "onebit_adam")
 DATA_SOURCES = ("stdlib", "prepared")
 
 
@@ -94,6 +93,11 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # 1-bit Adam only (name = "onebit_adam"; Tang et al. 2021, DeepSpeed's OnebitAdam):
+    freeze_step: int = 0  # exact Adam steps before v freezes and compression starts (>= 1)
+    bucket_mb: float = 32.0  # MiB of momentum per compressed all-reduce (0: one per tensor)
+    bias_correction: bool = False  # Adam's bias correction (DeepSpeed: off)
+    error_feedback: bool = True  # carry each step's compression error into the next
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,8 +296,6 @@ def validate(cfg: Config) -> None:
                           f"{f.other_dtype!r}")
 
     o = cfg.optim
-    if o.name in PLANNED_OPTIMIZERS:
-        raise ConfigError(f"optim.name: {PLANNED_OPTIMIZERS[o.name]}; valid now: {', '.join(OPTIMIZERS)}")
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name: unknown optimizer {o.name!r}; valid: {', '.join(OPTIMIZERS)}")
     _positive("optim.lr", o.lr)
@@ -306,6 +308,16 @@ def validate(cfg: Config) -> None:
     _positive("optim.eps", o.eps)
     _non_negative("optim.weight_decay", o.weight_decay)
     _non_negative("optim.clip_norm", o.clip_norm)
+    _non_negative("optim.bucket_mb", o.bucket_mb)
+    if o.name == "onebit_adam":
+        if not 1 <= o.freeze_step < t.steps:
+            raise ConfigError(f"optim.freeze_step: 1-bit Adam needs 1 <= freeze_step < train.steps "
+                              f"= {t.steps} (exact Adam steps before compression; DeepSpeed "
+                              f"suggests 15-25% of training), got {o.freeze_step}")
+        if cfg.mesh.fsdp:
+            raise ConfigError("mesh.fsdp: optim.name='onebit_adam' needs parameters and optimizer "
+                              "state replicated over `data` (each worker compresses its own "
+                              "momentum of the whole model); set mesh.fsdp=False")
 
     try:
         if cfg.remat.policy == "auto":

@@ -11,9 +11,11 @@ peak: we measure a float32 matmul rate on this machine once and label MFU as rel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -21,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsjax.config import ModelConfig
 
@@ -149,3 +152,88 @@ def update_summary(workdir: str, values: dict[str, Any]) -> dict[str, Any]:
 def log(message: str) -> None:
     if jax.process_index() == 0:
         print(message, file=sys.stdout, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives in compiled HLO: which devices talk, and how many bytes each one sends.
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shape>.+?)\s+(?P<op>all-to-all|all-gather|all-reduce|reduce-scatter|"
+    r"collective-permute)(?:-start)?\((?P<rest>.*)$")
+_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled HLO program. `groups` hold partition ids: positions in the
+    jitted function's device order (the mesh's `devices.flat`); a collective-permute's groups
+    are its (source, target) pairs."""
+    op: str
+    result_bytes: int
+    groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0])
+
+    def sent_bytes(self) -> float:
+        """Bytes one device sends, ring model: all-reduce 2(W-1)/W of the buffer; all-gather
+        (W-1)/W of its output; all-to-all (W-1)/W of its buffer (it keeps its own chunk);
+        reduce-scatter (W-1)/W of its input (= W x output); collective-permute its buffer."""
+        w = self.group_size
+        frac = (w - 1) / w
+        return {"all-reduce": 2 * frac * self.result_bytes,
+                "all-gather": frac * self.result_bytes,
+                "all-to-all": frac * self.result_bytes,
+                "reduce-scatter": frac * w * self.result_bytes,
+                "collective-permute": float(self.result_bytes)}[self.op]
+
+    def spans(self, mesh_shape: tuple[int, ...], axis: int) -> bool:
+        """Whether some group holds devices at different coordinates of mesh axis `axis`
+        (e.g. the data-parallel collectives: axis = the index of "data")."""
+        coords = [{int(np.unravel_index(d, mesh_shape)[axis]) for d in g} for g in self.groups]
+        return any(len(c) > 1 for c in coords)
+
+
+def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
+    """Every collective in compiled HLO text where collectives are synchronous (CPU; an async
+    GPU `*-start` with a tuple result would be over-counted). An empty `replica_groups={}` means
+    one group of all `num_devices`; a group that cannot be read fails loudly rather than being
+    counted as free."""
+    out = []
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        nbytes = sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+                     for t, dims in _ARRAY.findall(m["shape"]))
+        rest = m["rest"]
+        if "replica_groups={}" in rest:
+            groups = (tuple(range(num_devices)),)
+        elif listed := _LIST_GROUPS.search(rest):
+            groups = tuple(tuple(int(d) for d in g.split(",") if d)
+                           for g in re.findall(r"\{([\d,]*)\}", listed[1]))
+        elif iota := _IOTA_GROUPS.search(rest):
+            dims = [int(d) for d in iota[3].split(",")]
+            ids = np.arange(math.prod(dims)).reshape(dims)
+            if iota[4]:
+                ids = ids.transpose([int(p) for p in iota[4].split(",")])
+            groups = tuple(map(tuple, ids.reshape(int(iota[1]), int(iota[2])).tolist()))
+        else:
+            raise ValueError(f"unreadable replica groups: {line.strip()[:200]}")
+        if not groups or not groups[0]:
+            raise ValueError(f"empty replica groups: {line.strip()[:200]}")
+        out.append(Collective(m["op"], nbytes, groups))
+    return out
+
+
+def axis_collectives(hlo: str, mesh: Any, axis: str) -> list[Collective]:
+    """The collectives of compiled `hlo` (jitted over `mesh`) that move data along `axis`."""
+    shape = tuple(mesh.devices.shape)
+    index = list(mesh.axis_names).index(axis)
+    return [c for c in hlo_collectives(hlo, mesh.devices.size) if c.spans(shape, index)]
+

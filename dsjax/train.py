@@ -4,11 +4,18 @@ The one idea: shardings are derived without allocating (`eval_shape` of the boxe
 logical axis names -> the rules table gives NamedShardings), then `jit(init, out_shardings=...)`
 materialises the state directly in place, and `train_step` is jitted once with the same shardings
 and a donated state. The host reads step n-1's metrics after it has dispatched step n.
+
+With `optim.name = "onebit_adam"` the step is `onebit_step` instead (1-bit Adam, Tang et al. 2021,
+arXiv 2102.02888, as DeepSpeed runs it): the per-worker gradients are computed in a `shard_map`
+manual over `data` and reduced by the optimizer itself, exactly during warmup and 1-bit
+compressed after `optim.freeze_step`. The two phases are two compiled programs; `Trainer.step`
+picks one on the host. docs/onebit.md has the details.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable
@@ -19,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsjax import checkpoint as ckpt
 from dsjax import fp8, remat
@@ -28,9 +36,11 @@ from dsjax import sharding
 from dsjax.config import Config
 from dsjax.model import Transformer, count_params, weighted_cross_entropy
 from dsjax.optim import loss_scale as ls
-from dsjax.optim import make_optimizer
+from dsjax.optim import OneBitAdam, OneBitAdamState, make_optimizer
+from dsjax.optim.onebit import tree_sq_norm
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+DATA = "data"  # the mesh axis 1-bit Adam reduces over (see dsjax.sharding.MESH_AXES)
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -46,7 +56,7 @@ class TrainState:
     loss_scale: ls.LossScale  # float16: dynamic scale; otherwise fixed 1, counts skipped steps
     fp8_meta: Any  # delayed fp8 scaling state ({} otherwise): never seen by the optimizer
     apply_fn: Callable = struct.field(pytree_node=False)
-    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation | OneBitAdam = struct.field(pytree_node=False)
     lr_fn: Callable = struct.field(pytree_node=False)
     fp8_margin: float = struct.field(pytree_node=False, default=0.0)
 
@@ -70,15 +80,38 @@ def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unrol
                        fp8_history=f.history_len, fp8_layers=fp8_layers)
 
 
-def loss_fn(params: Any, apply_fn: Callable, batch: dict[str, jax.Array], fp8_meta: Any = None
+def nll_sum(params: Any, apply_fn: Callable, batch: dict[str, jax.Array], fp8_meta: Any = None
             ) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token NLL over weighted positions, and the weight sum."""
+    """Sum of next-token NLL over weighted positions, and the weight sum."""
     variables = {"params": params}
     if fp8_meta:
         variables[fp8.META_COLLECTION] = fp8_meta
     logits = apply_fn(variables, batch["inputs"], batch["positions"], batch["segment_ids"])
-    total, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    return weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+
+
+def loss_fn(params: Any, apply_fn: Callable, batch: dict[str, jax.Array], fp8_meta: Any = None
+            ) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token NLL over weighted positions, and the weight sum."""
+    total, count = nll_sum(params, apply_fn, batch, fp8_meta)
     return total / jnp.maximum(count, 1.0), count
+
+
+def _finish_step(state: TrainState, loss: jax.Array, tokens: jax.Array, grad_norm: jax.Array,
+                 new_params: Any, new_opt_state: Any, meta_grads: Any
+                 ) -> tuple[TrainState, dict]:
+    """Applies a step's results unless the loss or gradient is non-finite; the metrics."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_meta = fp8.commit(state.fp8_meta, meta_grads, state.fp8_margin) if state.fp8_meta else {}
+    params, opt_state, fp8_meta = ls.select(finite, (new_params, new_opt_state, new_meta),
+                                            (state.params, state.opt_state, state.fp8_meta))
+    new_state = state.replace(step=state.step + finite.astype(state.step.dtype), params=params,
+                              opt_state=opt_state, fp8_meta=fp8_meta,
+                              loss_scale=ls.update(state.loss_scale, finite))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step),
+               "finite": finite, "tokens": tokens, "loss_scale": state.loss_scale.scale,
+               "skipped_steps": new_state.loss_scale.skipped_steps}
+    return new_state, metrics
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -93,18 +126,97 @@ def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainSta
         scaled_loss, argnums=(0, 1), has_aux=True)(state.params, state.fp8_meta)
     grads = ls.unscale_grads(state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    new_meta = fp8.commit(state.fp8_meta, meta_grads, state.fp8_margin) if state.fp8_meta else {}
-    params, opt_state, fp8_meta = ls.select(finite, (new_params, new_opt_state, new_meta),
-                                            (state.params, state.opt_state, state.fp8_meta))
-    new_state = state.replace(step=state.step + finite.astype(state.step.dtype), params=params,
-                              opt_state=opt_state, fp8_meta=fp8_meta,
-                              loss_scale=ls.update(state.loss_scale, finite))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step),
-               "finite": finite, "tokens": tokens, "loss_scale": state.loss_scale.scale,
-               "skipped_steps": new_state.loss_scale.skipped_steps}
+    return _finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state, meta_grads)
+
+
+def _clip(grads: Any, norm: jax.Array, clip_norm: float) -> Any:
+    """optax.clip_by_global_norm's arithmetic, given the norm."""
+    if not clip_norm:
+        return grads
+    return jax.tree.map(lambda g: jnp.where(norm < clip_norm, g, (g / norm) * clip_norm), grads)
+
+
+def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: bool,
+                param_specs: Any, clip_norm: float, typed: bool = True
+                ) -> tuple[TrainState, dict]:
+    """One 1-bit Adam step (Tang et al. 2021; DeepSpeed's OnebitAdam), warmup or `compressed`.
+
+    `param_specs`: the params' mesh PartitionSpecs (none may name `data`). Bind it, `compressed`,
+    `clip_norm` and `typed` with functools.partial; the result is a `train_step`. `typed=False`
+    for fp8 models (see the gradient block). Everything `train_step` does is kept: loss scaling,
+    skip-on-non-finite, the fp8 delayed-scaling commit, the metrics (plus `onebit_compressed`).
+    Differences, all about the gradient (docs/onebit.md):
+    - Each worker differentiates its share of the *global* mean loss, sum of its NLL * W /
+      (global weight), so the mean of the W per-worker gradients is exactly `train_step`'s.
+    - Warmup: the exact mean gradient (one float all-reduce), its norm, clipped like optax.
+    - Compressed: the mean gradient never exists. `grad_norm` is the root mean square of the
+      workers' gradient norms, sqrt(mean_i |g_i|^2) >= |mean_i g_i| (one scalar pmean), and
+      clipping scales every worker's gradient by the same min(1, clip_norm / grad_norm): the
+      mean is clipped at least as hard as `train_step` would clip it.
+    """
+    opt: OneBitAdam = state.tx
+    # The model's activation constraints name `data` (act_batch); inside a shard_map that is
+    # manual over `data` a constraint may only name the other (auto) axes. Same table otherwise.
+    local_rules = tuple((name, None if axis == DATA else axis)
+                        for name, axis in nn.get_logical_axis_rules())
+
+    # Block 1, manual over `data` only (tensor parallelism stays with GSPMD inside the model).
+    # batch [B, S] -> this worker's [B/W, S]; grads [...] -> [1, ...], global [W, ...].
+    def local_grads(params, fp8_meta, loss_scale, batch):
+        count = lax.psum(jnp.sum(batch["weights"]), DATA)
+        share = lax.axis_size(DATA) / jnp.maximum(count, 1.0)
+
+        def objective(params, fp8_meta):
+            with nn.logical_axis_rules(local_rules):
+                total, _ = nll_sum(params, state.apply_fn, batch, fp8_meta)
+            return ls.scale_loss(loss_scale, total * share), total
+
+        if typed:
+            # Varying over `data`: jax.grad then returns this worker's gradient instead of
+            # inserting its own all-reduce (DESIGN invariant 3).
+            params, fp8_meta = lax.pcast((params, fp8_meta), DATA, to="varying")
+        (_, total), (grads, meta_grads) = jax.value_and_grad(
+            objective, argnums=(0, 1), has_aux=True)(params, fp8_meta)
+        grads = ls.unscale_grads(loss_scale, grads)
+        loss = lax.psum(total, DATA) / jnp.maximum(count, 1.0)
+        # fp8 amax observations of this worker's activations: the global amax is their max.
+        meta_grads = jax.tree.map(lambda g: lax.pmax(g, DATA), meta_grads)
+        return jax.tree.map(lambda g: g[None], grads), loss, count, meta_grads
+
+    # fp8's custom VJP returns per-worker amax observations as cotangents of its scaling inputs,
+    # typed varying for an invariant input (current scaling's constants) or invariant for a
+    # varying one (delayed: the scale), which a typed (check_vma) shard_map rejects. Untyped,
+    # jax.grad inserts no all-reduce either: the gradients are the worker's own all the same.
+    grads, loss, tokens, meta_grads = jax.shard_map(
+        local_grads, in_specs=(P(), P(), P(), P(DATA)), out_specs=(P(DATA), P(), P(), P()),
+        axis_names={DATA}, check_vma=typed)(state.params, state.fp8_meta, state.loss_scale,
+                                             batch)
+
+    # Block 2, manual over every axis: the buckets hold this device's shards. grads [1, ...]
+    # local (this worker's), params and moments this device's shards, errors [1, n_b/...].
+    def update(grads, opt_state, params):
+        grads = jax.tree.map(lambda g: g[0], grads)
+        if compressed:
+            grad_norm = jnp.sqrt(lax.pmean(tree_sq_norm(grads, opt.data_axes), opt.data_axes))
+            updates, opt_state = opt.compressed_update(_clip(grads, grad_norm, clip_norm),
+                                                       opt_state, params)
+        else:
+            grads = opt.mean_gradient(grads)
+            grad_norm = jnp.sqrt(tree_sq_norm(grads))
+            updates, opt_state = opt.exact_update(_clip(grads, grad_norm, clip_norm),
+                                                  opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, grad_norm
+
+    opt_specs = opt.state_specs(param_specs)
+    grad_specs = jax.tree.map(lambda spec: P(DATA, *spec), param_specs)
+    new_params, new_opt_state, grad_norm = jax.shard_map(
+        update, in_specs=(grad_specs, opt_specs, param_specs),
+        out_specs=(param_specs, opt_specs, P()))(grads, state.opt_state, state.params)
+    new_state, metrics = _finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
+                                      meta_grads)
+    metrics["onebit_compressed"] = jnp.asarray(int(compressed), jnp.int32)
     return new_state, metrics
 
 
@@ -119,17 +231,45 @@ class Trainer:
     state_shardings: Any
     batch_shardings: dict[str, NamedSharding]
     init_fn: Callable
-    step_fn: Callable
+    step_fn: Callable  # `train_step`; with 1-bit Adam its warmup step
     param_count: int
+    compressed_step_fn: Callable | None = None  # 1-bit Adam after freeze_step (jit: compiled
+                                                # the first time it is called)
+    # (state.step array of the last returned state, lower and upper bound of its value): the host
+    # knows the phase without waiting for the device, except at the switch (see `step_fn_for`).
+    _step_bounds: tuple[Any, int, int] | None = dataclasses.field(default=None, repr=False)
 
     def init(self, seed: int | None = None) -> TrainState:
         seed = self.cfg.train.seed if seed is None else seed
         with sharding.activate(self.mesh, self.rules):
             return self.init_fn(jax.random.key(seed))
 
+    def step_fn_for(self, state: TrainState) -> tuple[Callable, int, int]:
+        """The compiled step for `state` (warmup or compressed), and bounds of `state.step`.
+
+        A skipped (non-finite) step does not count, so the host's count of dispatched steps is
+        only an upper bound; it reads `state.step` from the device (waiting for the step that
+        produced it) only when the bounds straddle freeze_step, normally once per run.
+        """
+        if self.compressed_step_fn is None:
+            return self.step_fn, 0, 0
+        known = self._step_bounds
+        if known is not None and known[0] is state.step:
+            lo, hi = known[1], known[2]
+        else:
+            lo = hi = None
+        opt: OneBitAdam = state.tx
+        if lo is None or opt.uses_compression(lo) != opt.uses_compression(hi):
+            lo = hi = int(state.step)
+        return (self.compressed_step_fn if opt.uses_compression(lo) else self.step_fn), lo, hi
+
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+        fn, lo, hi = self.step_fn_for(state)
         with sharding.activate(self.mesh, self.rules):
-            return self.step_fn(state, batch)
+            state, metrics = fn(state, batch)
+        if self.compressed_step_fn is not None:
+            self._step_bounds = (state.step, lo, hi + 1)
+        return state, metrics
 
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Process-local numpy batch -> global arrays sharded over `data`."""
@@ -148,6 +288,7 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
                                                                  layers=layers))
     model = make_model(cfg)
     tx, lr_fn = make_optimizer(cfg.optim, cfg.train.steps)
+    onebit = isinstance(tx, OneBitAdam)
     dummy = jnp.zeros((1, min(cfg.data.seq_len, 8)), jnp.int32)
     loss_scale = (ls.dynamic_scale(cfg.train.loss_scale_init, cfg.train.loss_scale_growth)
                   if cfg.train.compute_dtype == "float16" else ls.skip_policy())
@@ -155,25 +296,80 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     def init_boxed(rng):
         variables = model.init(rng, dummy)
         params = variables["params"]
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+        # 1-bit Adam's state is built inside a shard_map below, from the unboxed params.
+        opt_state = () if onebit else tx.init(params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                           loss_scale=loss_scale, fp8_meta=variables.get(fp8.META_COLLECTION, {}),
                           apply_fn=model.apply, tx=tx, lr_fn=lr_fn, fp8_margin=cfg.fp8.margin)
 
     # Optimizer moments mirror the boxed params, so they inherit the same logical axis names.
     abstract = jax.eval_shape(init_boxed, jax.random.key(0))
     state_shardings = sharding.logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    init_fn = jax.jit(lambda rng: nn.unbox(init_boxed(rng)), out_shardings=state_shardings)
+    if not onebit:
+        init_fn = jax.jit(lambda rng: nn.unbox(init_boxed(rng)), out_shardings=state_shardings)
+        phases = [train_step]
+    else:
+        # 1-bit Adam: moments sharded like the params, error buffers per worker (state_specs).
+        param_specs = jax.tree.map(lambda sh: sh.spec, state_shardings.params)
+        opt_specs = tx.state_specs(param_specs)  # one spec per error group: a prefix
+
+        def init_onebit(rng):
+            state = nn.unbox(init_boxed(rng))
+            return state.replace(opt_state=jax.shard_map(
+                tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs)(state.params))
+
+        opt_shapes = jax.eval_shape(init_onebit, jax.random.key(0)).opt_state
+        state_shardings = state_shardings.replace(opt_state=jax.tree.map(
+            lambda spec, sub: jax.tree.map(lambda _: NamedSharding(mesh, spec), sub),
+            opt_specs, opt_shapes, is_leaf=lambda x: isinstance(x, P)))
+        init_fn = jax.jit(init_onebit, out_shardings=state_shardings)
+        phase = functools.partial(onebit_step, param_specs=param_specs,
+                                  clip_norm=cfg.optim.clip_norm,
+                                  typed=cfg.train.compute_dtype != "fp8")
+        phases = [functools.partial(phase, compressed=c) for c in (False, True)]
     batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
-    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
-                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-    return Trainer(cfg, mesh, model, make_model(cfg, for_eval=True), rules, state_shardings, batch_shardings, init_fn, step_fn,
-                   count_params(abstract.params))
+    step_fn, *compressed = [
+        jax.jit(fn, in_shardings=(state_shardings, batch_shardings),
+                out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+        for fn in phases]
+    compressed_step_fn = compressed[0] if compressed else None
+    return Trainer(cfg, mesh, model, make_model(cfg, for_eval=True), rules, state_shardings,
+                   batch_shardings, init_fn, step_fn, count_params(abstract.params),
+                   compressed_step_fn)
 
 
 def train_extras(state: TrainState) -> dict[str, Any]:
-    """Everything besides params that defines the run's future, as checkpointed."""
-    return {"opt_state": state.opt_state, "loss_scale": state.loss_scale,
-            "fp8_meta": state.fp8_meta}
+    """Everything besides params that defines the run's future, as checkpointed. 1-bit Adam's
+    error buffers are left out: they are checkpointed apart (see `onebit_errors`)."""
+    opt_state = state.opt_state
+    if isinstance(opt_state, OneBitAdamState):
+        opt_state = opt_state._replace(worker_error={}, server_error={})
+    return {"opt_state": opt_state, "loss_scale": state.loss_scale, "fp8_meta": state.fp8_meta}
+
+
+def onebit_errors(state: TrainState) -> dict[str, Any] | None:
+    """1-bit Adam's per-worker error buffers (None for AdamW). They only mean something on the
+    data-parallel layout that wrote them, so they are their own checkpoint item."""
+    if not isinstance(state.opt_state, OneBitAdamState):
+        return None
+    return {"worker_error": state.opt_state.worker_error,
+            "server_error": state.opt_state.server_error}
+
+
+def errors_layout(state: TrainState, mesh: Mesh) -> dict[str, Any]:
+    """What must match for saved error buffers to be restored: the mesh and the bucket shapes."""
+    return {"mesh": sharding.describe(mesh),
+            "shapes": [list(x.shape) for x in jax.tree.leaves(onebit_errors(state))]}
+
+
+def with_restored(state: TrainState, extras: dict[str, Any], errors: dict | None) -> TrainState:
+    """`state` with the restored `train_extras` and (1-bit Adam) error buffers; errors None:
+    keep `state`'s (freshly initialised, zero) buffers."""
+    opt_state = extras["opt_state"]
+    if isinstance(opt_state, OneBitAdamState):
+        errors = onebit_errors(state) if errors is None else errors
+        opt_state = opt_state._replace(**errors)
+    return state.replace(**{**extras, "opt_state": opt_state})
 
 
 def abstract_state(trainer: Trainer) -> TrainState:
@@ -210,7 +406,15 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     if start is not None:
         params, extras, data_state = checkpointer.restore(start, state.params,
                                                           train_extras(state), cfg.model)
-        state = state.replace(step=jnp.asarray(start, jnp.int32), params=params, **extras)
+        errors = None
+        if onebit_errors(state) is not None:
+            errors, why = checkpointer.restore_errors(start, onebit_errors(state),
+                                                      errors_layout(state, trainer.mesh))
+            if errors is None:
+                # DeepSpeed resets them on every load and reports no loss of convergence.
+                mx.log(f"warning: {why}; 1-bit Adam's error buffers restart from zero")
+        state = with_restored(state, extras, errors)
+        state = state.replace(step=jnp.asarray(start, jnp.int32), params=params)
         if data_state is not None:
             data_it.set_state(data_state)
         mx.log(f"resumed from step {start} ({checkpointer.directory})")
@@ -227,6 +431,13 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     writer = mx.MetricsWriter(workdir, cfg.train.steps, cfg.metrics.tensorboard)
     mx.log(f"MFU is relative to {peak_total:.3g} FLOP/s ({peak_source}); "
            f"{flops_tok:.3g} model FLOPs/token")
+
+    def save(step: int) -> None:
+        errors = onebit_errors(state)
+        checkpointer.save(step, state.params, train_extras(state), data_it.get_state(), cfg.model,
+                          errors=errors,
+                          errors_layout=None if errors is None else errors_layout(state,
+                                                                                  trainer.mesh))
 
     pending = None  # (step index, device metrics) of the step dispatched last
     skips_in_a_row = [0]
@@ -265,6 +476,8 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
                       "samples_per_sec": cfg.data.global_batch / typical,
                       "step_ms": 1000 * typical, "mfu": tps * flops_tok / peak_total,
                       "batch_size": cfg.data.global_batch}
+            if "onebit_compressed" in m:
+                record["onebit_compressed"] = int(m["onebit_compressed"])
             writer.write(record, eta_s=typical * (cfg.train.steps - done))
 
     try:
@@ -278,8 +491,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
                 drain(pending)  # never checkpoint a step whose loss we have not seen
                 pending = None
-                checkpointer.save(done, state.params, train_extras(state), data_it.get_state(),
-                                  cfg.model)
+                save(done)
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
                 ev = evaluate.evaluate_params(trainer, state.params, splits.eval, cfg)
                 writer.write_eval(done, ev)
@@ -287,8 +499,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
         if pending is not None:
             drain(pending)
         if start < cfg.train.steps:
-            checkpointer.save(cfg.train.steps, state.params, train_extras(state),
-                              data_it.get_state(), cfg.model)
+            save(cfg.train.steps)
     finally:
         checkpointer.close()
         writer.close()

@@ -30,6 +30,18 @@ def test_smoke_variant_of_optimized_config_loads():
     assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == 8
 
 
+def test_optimized_config_uses_onebit_adam_without_fsdp():
+    for arg in ("", ":smoke"):
+        cfg = config_lib.load(os.path.join(ROOT, "configs", "h100_fp8.py") + arg)
+        assert cfg.optim.name == "onebit_adam" and not cfg.mesh.fsdp
+        assert cfg.optim.freeze_step == cfg.train.steps // 5  # 200 of 1000; smoke 4 of 20
+
+
+def test_fsdp_with_onebit_adam_names_both_fields():
+    with pytest.raises(ConfigError, match=r"^mesh\.fsdp: optim\.name='onebit_adam' needs"):
+        _tiny(**{"optim.name": "onebit_adam", "mesh.fsdp": True})
+
+
 def test_deepseek_7b_parameter_count_is_exact():
     cfg = config_lib.load(os.path.join(ROOT, "configs", "deepseek_7b.py"))
     assert count_params(abstract_params(cfg.model)) == 6_910_365_696
@@ -74,6 +86,9 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"optim.lr": -1.0}, "optim.lr"),
     ({"train.steps": 0}, "train.steps"),
     ({"checkpoint.keep": 0}, "checkpoint.keep"),
+    ({"optim.name": "onebit_adam", "optim.freeze_step": 0}, "optim.freeze_step"),
+    ({"optim.name": "onebit_adam", "optim.freeze_step": 600}, "optim.freeze_step"),  # = steps
+    ({"optim.bucket_mb": -1.0}, "optim.bucket_mb"),
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

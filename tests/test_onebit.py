@@ -1,10 +1,14 @@
 """1-bit Adam: the compressed all-reduce and the optimizer steps against a NumPy transcription
 of DeepSpeed's algorithm, error feedback, the warmup against optax, the hierarchical and the
 tensor-parallel layouts, the bytes on the wire in the compiled HLO, and convergence on a noisy
-least-squares problem. 8 simulated CPU devices; the NumPy references are float64."""
+least-squares problem. Then inside dsjax's training: the warmup against the AdamW train step,
+the bytes of the compiled compressed train step, h100_fp8.py:smoke, and resuming (same mesh:
+bit-exact; another data size: errors reset). 8 simulated CPU devices; NumPy references float64."""
 
+import json
 import math
-import re
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,12 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from conftest import ROOT, TINY_FLAGS, random_batch, run_launch
+from dsjax import config as config_lib
+from dsjax import metrics as mx
+from dsjax import sharding
+from dsjax.checkpoint import Checkpointer
+from dsjax.train import build_trainer
 from dsjax.optim.onebit import (OneBitAdam, compressed_allreduce, onebit_adam, pad_multiple,
                                 plan_buckets)
 
@@ -390,9 +400,12 @@ def test_tensor_parallel_integration():
 
     # Only the model's own tensor-parallel all-reduces (groups of 2) remain; the data-parallel
     # traffic is the 1-bit all-to-all / all-gathers over groups of 4.
-    ops = collectives(train_step.lower(params, state, x, y).compile().as_text())
-    assert {size for op, _, size in ops if op == "all-reduce"} <= {2}
-    assert {size for op, _, size in ops if op in ("all-to-all", "all-gather")} == {w_dp}
+    ops = mx.hlo_collectives(train_step.lower(params, state, x, y).compile().as_text(), W)
+    assert {c.group_size for c in ops if c.op == "all-reduce"} <= {2}
+    assert {c.group_size for c in ops if c.op in ("all-to-all", "all-gather")} == {w_dp}
+    # ... and the data-parallel ones are exactly those: groups {0, 2, 4, 6}, {1, 3, 5, 7}.
+    shape = tuple(mesh2.devices.shape)
+    assert {c.op for c in ops if c.spans(shape, 0)} == {"all-to-all", "all-gather"}
 
 
 def test_misuse_is_named(mesh):
@@ -413,51 +426,6 @@ def test_misuse_is_named(mesh):
 
 # ---------------------------------------------------------------------- bytes in compiled HLO
 
-_COLLECTIVE = re.compile(
-    r"=\s*(?P<shape>.+?)\s+(?P<op>all-to-all|all-gather|all-reduce|reduce-scatter|"
-    r"collective-permute)(?:-start)?\((?P<rest>.*)$")
-_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def collectives(hlo: str, num_devices: int = W) -> list[tuple[str, int, int]]:
-    """(op, result bytes, group size) for every collective in compiled (synchronous, CPU) HLO.
-
-    An empty `replica_groups={}` means one group of all `num_devices`; a collective whose group
-    cannot be read fails loudly rather than being counted as free.
-    """
-    out = []
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if not m:
-            continue
-        nbytes = sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-                     for t, dims in _ARRAY.findall(m["shape"]))
-        if m["op"] == "collective-permute":
-            size = 2                                   # sends its whole buffer whatever the size
-        elif "replica_groups={}" in m["rest"]:
-            size = num_devices
-        elif groups := re.search(r"replica_groups=\{\{([\d,]*)\}", m["rest"]):
-            size = len(groups[1].split(","))
-        elif groups := re.search(r"replica_groups=\[\d+,(\d+)\]<=", m["rest"]):
-            size = int(groups[1])
-        else:
-            raise ValueError(f"unreadable replica groups: {line.strip()[:200]}")
-        out.append((m["op"], nbytes, size))
-    return out
-
-
-def ring_bytes_sent(op: str, result_bytes: int, w: int) -> float:
-    """Bytes one device sends, ring model: all-reduce 2(W-1)/W of the buffer; all-gather (W-1)/W
-    of its output; all-to-all (W-1)/W of its buffer (it keeps its own chunk); reduce-scatter
-    (W-1)/W of its input (= W x output); collective-permute its whole buffer."""
-    frac = (w - 1) / w
-    return {"all-reduce": 2 * frac * result_bytes, "all-gather": frac * result_bytes,
-            "all-to-all": frac * result_bytes, "reduce-scatter": frac * w * result_bytes,
-            "collective-permute": result_bytes}[op]
-
-
 def test_compressed_step_sends_under_a_thirtieth(mesh):
     rng = np.random.default_rng(6)
     params = {"w1": rng.normal(size=(256, 128)).astype(np.float32),
@@ -472,19 +440,19 @@ def test_compressed_step_sends_under_a_thirtieth(mesh):
 
     def sent(compressed):
         hlo = _step_fn(mesh, opt, compressed, params).lower(grads, state, params).compile()
-        ops = collectives(hlo.as_text())
-        return ops, sum(ring_bytes_sent(op, b, w) for op, b, w in ops)
+        ops = mx.hlo_collectives(hlo.as_text(), W)
+        return ops, sum(c.sent_bytes() for c in ops)
 
     warm_ops, warm_sent = sent(False)
     comp_ops, comp_sent = sent(True)
     allreduce = 2 * (W - 1) / W * grad_bytes
     # The parser sees the warmup's float all-reduce of the whole gradient (else the bound below
     # would be vacuous) ...
-    assert sum(b for op, b, _ in warm_ops if op == "all-reduce") >= grad_bytes
+    assert sum(c.result_bytes for c in warm_ops if c.op == "all-reduce") >= grad_bytes
     assert warm_sent == pytest.approx(allreduce, rel=1e-3)
     # ... and the compressed step keeps no all-reduce at all, only packed signs and scales.
-    assert not [o for o in comp_ops if o[0] == "all-reduce"], comp_ops
-    assert {op for op, _, _ in comp_ops} == {"all-to-all", "all-gather"}
+    assert not [c for c in comp_ops if c.op == "all-reduce"], comp_ops
+    assert {c.op for c in comp_ops} == {"all-to-all", "all-gather"}
     ratio = comp_sent / allreduce
     print(f"compressed step sends {comp_sent:.0f} B vs {allreduce:.0f} B for a float32 all-reduce"
           f" (ratio 1/{1 / ratio:.1f})")
@@ -555,3 +523,153 @@ def test_noisy_least_squares_converges_like_adam(mesh):
     # Same floor: 0.97-1.04x Adam's over 6 seeds. A mis-scaled or mis-routed reduction
     # diverges; the algorithm's details are pinned by test_deepspeed_steps_match_numpy.
     assert onebit < 1.25 * adam
+
+
+# ------------------------------------------------------------------ in dsjax's train step
+
+def _tiny_cfg(config="configs/cpu_tiny.py", **overrides):
+    flags = {**TINY_FLAGS, "train.steps": 10, "optim.name": "onebit_adam", **overrides}
+    return config_lib.load(os.path.join(ROOT, config), flags)
+
+
+def test_trainer_warmup_is_adamw_then_compressed_sends_a_thirtieth():
+    """Through `build_trainer` on mesh (data 4, tensor 2): the warmup steps are dsjax's AdamW
+    `train_step` (same schedule, clipping, weight-decay mask; bias correction on, as optax), the
+    host switches to the compressed program at freeze_step, the loss keeps falling on a repeated
+    batch, and the compiled compressed step sends <= 1/30 of a float32 all-reduce over `data`."""
+    freeze = 3
+    # clip_norm 0.5 < the gradient norms here (~0.95 at init): clipping is part of the comparison.
+    common = {"optim.freeze_step": freeze, "optim.bias_correction": True, "optim.clip_norm": 0.5}
+    trainer = build_trainer(_tiny_cfg(**common))
+    adamw = build_trainer(_tiny_cfg(**common, **{"optim.name": "adamw"}))
+    batch = random_batch(np.random.default_rng(11), 8, 32)
+    state, ref = trainer.init(), adamw.init()
+    first = jax.device_get(state.params)
+    metrics, ref_metrics = [], []
+    for _ in range(freeze):
+        state, m = trainer.step(state, trainer.device_batch(batch))
+        ref, m_ref = adamw.step(ref, adamw.device_batch(batch))
+        metrics.append(jax.device_get(m))
+        ref_metrics.append(jax.device_get(m_ref))
+    ours, theirs = jax.device_get(state.params), jax.device_get(ref.params)
+    # The same float32 operations on the same mean gradient, reduced in another order (a pmean of
+    # per-worker gradients vs GSPMD's partial sums): measured bit-identical params on this CPU.
+    # Allowed: 1e-7 absolute, ~3e-5 of one step's move (lr = 3e-3); a wrong lr step, missing
+    # clip, bias correction or weight-decay mask moves a parameter by >= 1e-5.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-7), ours, theirs)
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(ours),
+                                                              jax.tree.leaves(first)))
+    assert moved > 1e-3  # not two unchanged copies
+    for m, m_ref in zip(metrics, ref_metrics):
+        assert m["loss"] == pytest.approx(m_ref["loss"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-6)
+        assert m["tokens"] == m_ref["tokens"] and int(m["onebit_compressed"]) == 0
+    assert max(float(m["grad_norm"]) for m in metrics) > 0.5  # the clip was active
+
+    for _ in range(4):
+        state, m = trainer.step(state, trainer.device_batch(batch))
+        metrics.append(jax.device_get(m))
+    assert [int(m["onebit_compressed"]) for m in metrics] == [0] * freeze + [1] * 4
+    losses = [float(m["loss"]) for m in metrics]
+    assert all(np.isfinite(losses)) and int(state.step) == freeze + 4
+    assert losses[-1] < losses[freeze] < losses[0], losses
+
+    # Bytes on the wire, from the compiled programs; 'data' is mesh axis 0.
+    with sharding.activate(trainer.mesh, trainer.rules):
+        hlo = {name: fn.lower(state, trainer.device_batch(batch)).compile().as_text()
+               for name, fn in (("warmup", trainer.step_fn),
+                                ("compressed", trainer.compressed_step_fn))}
+    ops = {k: mx.axis_collectives(v, trainer.mesh, "data") for k, v in hlo.items()}
+    sent = {k: sum(c.sent_bytes() for c in v) for k, v in ops.items()}
+    grad_bytes = 4 * sum(math.prod(p.sharding.shard_shape(p.shape))
+                         for p in jax.tree.leaves(state.params))
+    allreduce = 2 * (4 - 1) / 4 * grad_bytes
+    # The warmup all-reduces the whole float32 gradient over `data` (so the parser sees it) ...
+    assert sent["warmup"] == pytest.approx(allreduce, rel=1e-3)
+    # ... the compressed step keeps only scalar all-reduces (loss, token count, norm) ...
+    assert max(c.result_bytes for c in ops["compressed"] if c.op == "all-reduce") <= 16
+    # ... and sends packed signs and scales: 1/32 plus a few scalars (measured 1/32.0).
+    print(f"data-parallel bytes per device: warmup {sent['warmup']:.0f}, compressed "
+          f"{sent['compressed']:.0f} (1/{sent['warmup'] / sent['compressed']:.1f})")
+    assert sent["compressed"] <= allreduce / 30
+
+
+# The h100_fp8.py:smoke model (run_launch starts from the tiny one), freezing after 2 of 6 steps
+# and checkpointing at 4, in the compressed phase. Sampling and the CPU peak measurement are off:
+# neither is under test here, both cost compile time.
+SMOKE = {"model.hidden_size": 128, "model.num_kv_heads": 4, "model.mlp_dim": 256,
+         "data.seq_len": 64, "train.steps": 6, "optim.freeze_step": 2, "checkpoint.every": 4,
+         "train.sample_tokens": 0, "metrics.peak_flops_per_device": 1e12}
+
+
+def _records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _resume_from_step_4(source, workdir, overrides=None):
+    shutil.copytree(os.path.join(source, "checkpoints", "4"),
+                    os.path.join(workdir, "checkpoints", "4"))
+    proc = run_launch(workdir, {**SMOKE, **(overrides or {})}, config="configs/h100_fp8.py:smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 4" in proc.stdout
+    return proc, _records(workdir)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One uninterrupted run through launch.py (the resume tests compare against it)."""
+    workdir = str(tmp_path_factory.mktemp("onebit") / "smoke")
+    proc = run_launch(workdir, SMOKE, config="configs/h100_fp8.py:smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir, proc
+
+
+@pytest.mark.slow
+def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
+    workdir, proc = smoke_run
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    assert (cfg["optim"]["name"], cfg["train"]["compute_dtype"], cfg["fp8"]["recipe"],
+            cfg["remat"]["policy"], cfg["mesh"]["fsdp"]) == (
+                "onebit_adam", "fp8", "current", "attention_core", False)
+    assert (cfg["mesh"]["data"], cfg["mesh"]["tensor"], cfg["mesh"]["pipeline"]) == (4, 2, 1)
+    records = _records(workdir)
+    assert [r["onebit_compressed"] for r in records] == [0, 0, 1, 1, 1, 1]
+    losses = [r["loss"] for r in records]
+    assert all(np.isfinite(losses)), losses
+    # From ~6.24 (uniform over 512) to ~4 in 6 steps at lr 3e-3; the compressed steps keep it
+    # falling (measured 6.24, 6.24, 5.70, 5.49, 4.67, 3.98).
+    assert losses[-1] < losses[2] < losses[0] - 0.3, losses
+    assert "held-out: loss" in proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_in_the_compressed_phase_is_bit_exact(smoke_run, tmp_path):
+    workdir, _ = smoke_run
+    proc, records = _resume_from_step_4(workdir, str(tmp_path / "resumed"))
+    assert "warning" not in proc.stdout
+    # Same mesh, same CPU, same data position, and the error buffers restored: step 5's update
+    # uses them, so step 6's loss would differ if they had been reset.
+    assert [r["step"] for r in records] == [5, 6]
+    assert [r["loss"] for r in records] == [r["loss"] for r in _records(workdir)[4:]]
+
+
+@pytest.mark.slow
+def test_resume_on_another_data_size_resets_the_errors(smoke_run, tmp_path):
+    workdir, _ = smoke_run
+    resumed = str(tmp_path / "data8")
+    proc, records = _resume_from_step_4(workdir, resumed, {"mesh.data": 8, "mesh.tensor": 1})
+    assert ("warning: checkpoint step 4 was written with mesh.data 4, this run has mesh.data 8; "
+            "1-bit Adam's error buffers restart from zero") in proc.stdout, proc.stdout
+    assert [r["step"] for r in records] == [5, 6]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    # Step 5's loss comes from the restored params. Not to float32 rounding: fp8 current scaling
+    # takes each worker's amax, and 8 workers of 1 row quantise otherwise than 4 of 2 (measured
+    # 4.6706 vs 4.6744); wrong params would be off by > 0.5 (step 4's loss is 5.49).
+    assert records[0]["loss"] == pytest.approx(_records(workdir)[4]["loss"], abs=0.05)
+    # The run went on and checkpointed its own layout: 8 workers' rows.
+    checkpointer = Checkpointer(os.path.join(resumed, "checkpoints"))
+    layout = checkpointer.read_meta(6)["errors_layout"]
+    checkpointer.close()
+    assert layout["mesh"]["data"] == 8 and all(shape[0] == 8 for shape in layout["shapes"])

@@ -1,7 +1,10 @@
-"""AdamW with linear warmup + cosine decay, global-norm clipping and weight decay off the norms.
+"""AdamW with linear warmup + cosine decay, global-norm clipping and weight decay off the norms;
+or 1-bit Adam with the same schedule and weight-decay mask.
 
 The gradient norm used for clipping is the norm of the full (global) gradient: under GSPMD the
 gradients are already reduced over `data`, so `optax.clip_by_global_norm` sees the true norm.
+1-bit Adam is not an optax transform (it reduces over `data` itself, inside `jax.shard_map`), so
+its train step (`dsjax.train.onebit_step`) clips; see docs/onebit.md.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import jax
 import optax
 
 from dsjax.config import OptimConfig
+from dsjax.optim.onebit import OneBitAdam, onebit_adam
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Any], Any]:
@@ -31,8 +35,15 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int
-                   ) -> tuple[optax.GradientTransformation, Callable[[Any], Any]]:
+                   ) -> tuple[optax.GradientTransformation | OneBitAdam, Callable[[Any], Any]]:
+    """(optimizer, lr schedule of the number of steps taken) for `cfg.name`."""
     schedule = make_schedule(cfg, total_steps)
+    if cfg.name == "onebit_adam":
+        return onebit_adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
+                           freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
+                           bucket_bytes=int(cfg.bucket_mb * 2**20), axis_name="data",
+                           error_feedback=cfg.error_feedback), schedule
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))

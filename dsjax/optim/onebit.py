@@ -40,6 +40,8 @@ DeepSpeed fidelity (deepspeed/runtime/fp16/onebit/adam.py, runtime/comm/nccl.py)
   a small tensor of large momentum next to a big quiet one is coarsely represented; the error
   feedback makes up for it over steps.
 - DeepSpeed's optional `exp_avg_mask` (for momenta that are exactly zero forever) is not here.
+- `error_feedback=False` (an ablation; DeepSpeed has no such switch) drops both errors after
+  every compressed step, leaving plain, biased sign compression of the momentum.
 """
 
 from __future__ import annotations
@@ -208,6 +210,23 @@ def _varying_axes(x: Any) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def tree_sq_norm(tree: Any, skip_axes: Sequence = ()) -> jax.Array:
+    """Inside shard_map: the squared L2 norm of the whole tree this device holds shards of.
+
+    Each leaf's local sum of squares is summed over the mesh axes that leaf varies over (the axes
+    that split it), except `skip_axes`. Per-worker gradients with `skip_axes` = the data axes
+    give each worker the squared norm of its own gradient; a mean gradient, the global one.
+    """
+    sums: dict[tuple, jax.Array] = {}
+    for x in jax.tree.leaves(tree):
+        axes = tuple(sorted(_varying_axes(x) - set(skip_axes), key=str))
+        sums[axes] = sums.get(axes, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    total = jnp.zeros([], jnp.float32)
+    for axes, part in sums.items():
+        total = total + (lax.psum(part, axes) if axes else part)
+    return total
+
+
 def _spec_axes(spec: P) -> frozenset:
     axes = set()
     for entry in spec:
@@ -246,6 +265,7 @@ class OneBitAdam:
     bucket_bytes: int
     axis_name: Any
     fast_axis: Any
+    error_feedback: bool = True
 
     @property
     def data_axes(self) -> tuple:
@@ -335,17 +355,25 @@ class OneBitAdam:
                                upd, params, mask)
         return jax.tree.map(lambda u: -lr * u, upd)
 
-    def warmup_update(self, local_grads: Any, state: OneBitAdamState, params: Any
-                      ) -> tuple[Any, OneBitAdamState]:
-        """Exact Adam on the exact mean gradient (one float all-reduce per leaf)."""
+    def mean_gradient(self, local_grads: Any) -> Any:
+        """The exact float32 mean of the workers' gradients (one float all-reduce per leaf)."""
         self._check_local(local_grads)
-        grads = lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), local_grads),
-                          self.data_axes)
+        return lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), local_grads),
+                         self.data_axes)
+
+    def exact_update(self, grads: Any, state: OneBitAdamState, params: Any
+                     ) -> tuple[Any, OneBitAdamState]:
+        """Exact Adam on already averaged `grads` (e.g. `mean_gradient`'s, then clipped)."""
         mu = jax.tree.map(lambda g, m: (1 - self.b1) * g + self.b1 * m, grads, state.mu)
         nu = jax.tree.map(lambda g, v: (1 - self.b2) * (g ** 2) + self.b2 * v, grads, state.nu)
         count_inc = state.count + 1
         updates = self._updates(mu, nu, params, count_inc, count_inc, self._lr(state.count))
         return updates, state._replace(count=count_inc, mu=mu, nu=nu)
+
+    def warmup_update(self, local_grads: Any, state: OneBitAdamState, params: Any
+                      ) -> tuple[Any, OneBitAdamState]:
+        """Exact Adam on the exact mean gradient (one float all-reduce per leaf)."""
+        return self.exact_update(self.mean_gradient(local_grads), state, params)
 
     def compressed_update(self, local_grads: Any, state: OneBitAdamState, params: Any
                           ) -> tuple[Any, OneBitAdamState]:
@@ -362,6 +390,8 @@ class OneBitAdam:
         for buf, we, se in zip(plan.flatten(local_mu), jax.tree.leaves(state.worker_error),
                                jax.tree.leaves(state.server_error)):
             mean, we, se = self._reduce(buf, we[0], se[0])
+            if not self.error_feedback:
+                we, se = jnp.zeros_like(we), jnp.zeros_like(se)
             means.append(mean)
             worker_errors.append(we[None])
             server_errors.append(se[None])
@@ -393,14 +423,15 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100_000,
                 bias_correction: bool = False, bucket_bytes: int = 32 * 2**20,
                 axis_name: Any = "data", fast_axis: Any = None,
-                weight_decay_mask: Any = None) -> OneBitAdam:
+                weight_decay_mask: Any = None, error_feedback: bool = True) -> OneBitAdam:
     """1-bit Adam with DeepSpeed's defaults (freeze_step=100000, no bias correction).
 
     `learning_rate` is a float or a schedule of the number of steps taken; `weight_decay` is
     decoupled (`+ wd * p` inside the lr product, as DeepSpeed and optax.adamw), applied where
     `weight_decay_mask` (a bool pytree or a function of params; None: everywhere) is True.
     `fast_axis`: the intra-node mesh axis for the hierarchical reduction (exact inside a node,
-    1-bit across nodes over `axis_name`).
+    1-bit across nodes over `axis_name`). `error_feedback=False` zeroes the error buffers after
+    every compressed step (an ablation).
     """
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step must be >= 0, got {freeze_step}")
@@ -409,4 +440,4 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     if fast_axis is not None and fast_axis == axis_name:
         raise ValueError(f"onebit_adam: fast_axis must differ from axis_name ({axis_name!r})")
     return OneBitAdam(learning_rate, b1, b2, eps, weight_decay, weight_decay_mask, freeze_step,
-                      bias_correction, bucket_bytes, axis_name, fast_axis)
+                      bias_correction, bucket_bytes, axis_name, fast_axis, error_feedback)
