@@ -237,3 +237,66 @@ def axis_collectives(hlo: str, mesh: Any, axis: str) -> list[Collective]:
     index = list(mesh.axis_names).index(axis)
     return [c for c in hlo_collectives(hlo, mesh.devices.size) if c.spans(shape, index)]
 
+
+# ---------------------------------------------------------------------------------------------
+# Readings for the side-by-side report (docs/observability.md): XLA's FLOPs to cross-check the
+# formula above, memory, and GPU utilisation. Each says where its number comes from.
+
+
+def cost_analysis_flops(cfg: Any, mesh: Any) -> float:
+    """XLA's FLOPs for one forward + backward of the training loss of `cfg` (a `Config`) at its
+    global batch, summed over `mesh`'s devices.
+
+    The layer stack is unrolled, because `cost_analysis()` counts a scan body once whatever its
+    trip count. What it counts is what the program does: every dot as 2*M*N*K, attention over
+    the full S x S (the causal mask is a select, not skipped work), elementwise ops, and any
+    recomputation `cfg.remat` asks for. A partitioned program is one device's, so it is scaled
+    by the device count (work replicated across tensor shards counts once per device).
+    """
+    from dsjax.remat_plan import compile_grad  # compiles the model; metrics stays light
+
+    cost = compile_grad(cfg, mesh, unroll=True).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]) * mesh.devices.size
+
+
+def memory_reading(device: Any, compiled: Any = None) -> dict[str, Any]:
+    """{bytes_in_use, peak_bytes, source} for one device: its allocator's `memory_stats()` where
+    it keeps them (GPU, TPU), else the compiled step's `memory_analysis()` per device (temp +
+    arguments + outputs - aliased, i.e. donated; a prediction, so in use = peak), else Nones."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_in_use" in stats:
+        return {"bytes_in_use": int(stats["bytes_in_use"]),
+                "peak_bytes": int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])),
+                "source": "device memory_stats"}
+    analysis = compiled.memory_analysis() if compiled is not None else None
+    if analysis is not None:
+        total = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes +
+                 analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+        return {"bytes_in_use": int(total), "peak_bytes": int(total),
+                "source": "compiled memory_analysis (temp + arguments + outputs - aliased)"}
+    return {"bytes_in_use": None, "peak_bytes": None, "source": "unavailable"}
+
+
+def device_utilisation(device: Any = None) -> float | None:
+    """NVML's GPU utilisation of `device` (default: the first), as a fraction: the share of its
+    last sample period (1/6 s to 1 s) in which any kernel ran. None, not zero, where there is no
+    GPU or no `pynvml` (package nvidia-ml-py). Not MFU: one small kernel at a time reads 1.0."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "gpu":
+        return None
+    try:
+        import pynvml  # optional: nvidia-ml-py is not a dependency
+    except ImportError:
+        return None
+    index = device.local_hardware_id if device.local_hardware_id is not None else device.id
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if all(v.isdigit() for v in visible) and index < len(visible):
+        # NVML numbers every GPU of the machine; CUDA (and JAX) only the visible ones.
+        index = int(visible[index])
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+    except pynvml.NVMLError:
+        return None
