@@ -87,6 +87,9 @@ def main(argv=None) -> dict:
         hlo = lowered.compile().as_text()
         result["cublas_fp8_gemms"] = fp8.fp8_gemm_calls(hlo)
         result["triton_fp8_fusions"] = len(re.findall(r"__triton_gemm[^\n]*f8e", hlo))
+        # fp8 dots XLA did not hand to cuBLASLt (e.g. a layout it could not rewrite)
+        result["fp8_dots_left_in_hlo"] = [line.strip()[:240] for line in hlo.splitlines()
+                                          if " dot(" in line and "f8e" in line]
 
     print(f"{args.config}: (optimizer counted as adamw) compute {cfg.train.compute_dtype}, recipe {cfg.fp8.recipe}, "
           f"matmuls {cfg.fp8.matmuls} (counts with remat none)")

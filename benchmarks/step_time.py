@@ -28,7 +28,7 @@ PRESETS = {
     # ~1.23B parameters: 16 x 2048 wide, 16 heads of 128, SwiGLU 5504, DeepSeek's vocab.
     "1b": dict(model=dict(num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=16,
                           mlp_dim=5504, vocab_size=102400),
-               seq_len=2048, global_batch=8, mesh=(1, 1, 1)),
+               seq_len=2048, global_batch=2, mesh=(1, 1, 1)),  # no-remat control fits 141 GB
     "smoke": dict(model=dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4,
                              mlp_dim=256, vocab_size=512),
                   seq_len=64, global_batch=8, mesh=(1, 1, 1)),
