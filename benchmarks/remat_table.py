@@ -71,7 +71,9 @@ def main(argv=None) -> dict:
               "compute_dtype": cfg.train.compute_dtype, "num_layers": cfg.model.num_layers,
               "backend": jax.devices()[0].platform,
               "note": "offload:* is a no-op on CPU (no pinned host memory space): it reads as "
-                      "names:* there",
+                      "names:* there. On GPU, cost_analysis() does not count GEMMs that XLA hands "
+                      "to cuBLAS (custom calls), so GPU FLOPs columns are not meaningful: read "
+                      "FLOPs from a CPU compile, memory from either.",
               "rows": rows}
 
     print(f"{args.config}: seq {cfg.data.seq_len}, micro-batch {args.micro_batch}, "
