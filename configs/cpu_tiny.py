@@ -87,5 +87,6 @@ def get_config(arg=None):
     c.metrics = ConfigDict(dict(
         peak_flops_per_device=0.0,  # 0: measure a CPU matmul rate (MFU is relative to it)
         tensorboard=True,    # write tensorboard/ event files
+        profile_every=200,   # trace one step every N steps: communication share (0 = off)
     ))
     return c

@@ -62,5 +62,9 @@ def get_config(arg=None):
         memory_budget_gb=0.0,   # only for policy "auto"
     ))
     c.checkpoint = ConfigDict(dict(every=200, keep=3, async_save=True, init_from=""))
-    c.metrics = ConfigDict(dict(peak_flops_per_device=0.0, tensorboard=True))  # 0: datasheet peak
+    c.metrics = ConfigDict(dict(
+        peak_flops_per_device=0.0,  # 0: the device's datasheet bf16 peak
+        tensorboard=True,        # write tensorboard/ event files
+        profile_every=100,       # trace one step every N steps: communication share
+    ))
     return c

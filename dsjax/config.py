@@ -135,6 +135,7 @@ class CheckpointConfig:
 class MetricsConfig:
     peak_flops_per_device: float = 0.0  # 0: look up the device kind, or measure on CPU
     tensorboard: bool = True
+    profile_every: int = 0  # trace one step every N steps for the communication share (0 = off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +335,7 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
         raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
     _non_negative("metrics.peak_flops_per_device", cfg.metrics.peak_flops_per_device)
+    _non_negative("metrics.profile_every", cfg.metrics.profile_every)
 
 
 def from_config_dict(raw: ml_collections.ConfigDict | dict, name: str = "config") -> Config:

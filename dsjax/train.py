@@ -432,6 +432,8 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     mx.log(f"MFU is relative to {peak_total:.3g} FLOP/s ({peak_source}); "
            f"{flops_tok:.3g} model FLOPs/token")
 
+    observer = _Observer(trainer, workdir)
+
     def save(step: int) -> None:
         errors = onebit_errors(state)
         checkpointer.save(step, state.params, train_extras(state), data_it.get_state(), cfg.model,
@@ -465,7 +467,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
                    f"{float(m['loss_scale']):g}; {int(m['skipped_steps'])} skipped so far)")
         else:
             skips_in_a_row[0] = 0
-        if step_idx > start:  # the first step of a process includes compilation
+        if step_idx > start and step_idx not in observer.untimed:  # compile / profiler steps
             step_times.append(dt)
         done = step_idx + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
@@ -475,7 +477,10 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
                       "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps,
                       "samples_per_sec": cfg.data.global_batch / typical,
                       "step_ms": 1000 * typical, "mfu": tps * flops_tok / peak_total,
-                      "batch_size": cfg.data.global_batch}
+                      "batch_size": cfg.data.global_batch,
+                      "loss_scale": float(m["loss_scale"]),
+                      "skipped_steps": int(m["skipped_steps"])}
+            record.update(observer.readings())
             if "onebit_compressed" in m:
                 record["onebit_compressed"] = int(m["onebit_compressed"])
             writer.write(record, eta_s=typical * (cfg.train.steps - done))
@@ -483,7 +488,15 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     try:
         for step_idx in range(start, cfg.train.steps):
             batch = trainer.device_batch(next(data_it))
-            state, m = trainer.step(state, batch)
+            observer.measure_memory(state, batch)
+            if observer.profile_due(step_idx):
+                if pending is not None:
+                    drain(pending)
+                    pending = None
+                state, m = observer.traced_step(step_idx, state, batch)
+                last_time = time.perf_counter()
+            else:
+                state, m = trainer.step(state, batch)
             if pending is not None:
                 drain(pending)
             pending = (step_idx, m)
@@ -513,6 +526,7 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
         "median_step_ms": mx.median_of(history, "step_ms"),
         "mfu": mx.median_of(history, "mfu"), "mfu_peak_source": peak_source,
         "flops_per_token": flops_tok,
+        **observer.summary(),
     }
     mx.update_summary(workdir, summary)
     results = evaluate.evaluate_and_report(trainer, state.params, splits, cfg, workdir)
@@ -520,6 +534,74 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     mx.log("summary: " + ", ".join(f"{k}={v:.4g}" for k, v in writer_eval.items()))
     summary.update(results)
     return summary
+
+
+class _Observer:
+    """Memory, device utilisation and communication share for the run's records.
+
+    Memory: the allocator's peak where the device keeps statistics (GPU), else the compiled step's
+    `memory_analysis()` (measured once per step function). Communication share: every
+    `metrics.profile_every` steps one step runs under `jax.profiler` (trace in tensorboard/), and
+    its collective time over device time is reported until the next trace; that step is left out
+    of the step-time median. Utilisation: NVML where present, absent (not 0) elsewhere.
+    """
+
+    def __init__(self, trainer: Trainer, workdir: str):
+        self.trainer = trainer
+        self.every = trainer.cfg.metrics.profile_every
+        self.logdir = os.path.join(workdir, "tensorboard")
+        self.device = trainer.mesh.devices.flat[0]
+        self.memory: dict[str, Any] = {}
+        self.compiled_memory: dict[Any, dict[str, Any]] = {}
+        self.comm: dict[str, Any] = {}
+        self.untimed: set[int] = set()
+
+    def measure_memory(self, state: TrainState, batch: dict[str, jax.Array]) -> None:
+        reading = mx.memory_reading(self.device)
+        if reading["peak_bytes"] is None:  # no allocator statistics: ask the compiler, once
+            fn, _, _ = self.trainer.step_fn_for(state)
+            if fn not in self.compiled_memory:
+                with sharding.activate(self.trainer.mesh, self.trainer.rules):
+                    compiled = fn.lower(state, batch).compile()
+                self.compiled_memory[fn] = mx.memory_reading(self.device, compiled)
+            reading = self.compiled_memory[fn]
+        self.memory = reading
+
+    def profile_due(self, step_idx: int) -> bool:
+        # Never the first step of a process: it would trace compilation.
+        return bool(self.every) and step_idx > 0 and (step_idx + 1) % self.every == 0
+
+    def traced_step(self, step_idx: int, state: TrainState, batch: dict[str, jax.Array]):
+        from dsjax import profiling  # local: only runs that profile need the trace parser
+
+        fn, _, _ = self.trainer.step_fn_for(state)
+        with sharding.activate(self.trainer.mesh, self.trainer.rules):
+            hlo = fn.lower(state, batch).compile().as_text()
+        (state, m), run_dir = profiling.trace_step(self.trainer.step, state, batch,
+                                                   logdir=self.logdir, hlo_text=hlo)
+        share = profiling.comm_share(run_dir)
+        self.comm = {"comm_fraction": share["comm_fraction"],
+                     "exposed_comm_fraction": share["exposed_comm_fraction"]}
+        self.untimed.add(step_idx)
+        mx.log(f"profiled step {step_idx + 1}: communication {100 * share['comm_fraction']:.1f}% "
+               f"of device time ({100 * share['exposed_comm_fraction']:.1f}% not overlapped; "
+               f"{', '.join(sorted(share['kinds'])) or 'no collectives'}); trace in "
+               f"{run_dir}")
+        return state, m
+
+    def readings(self) -> dict[str, Any]:
+        out = dict(self.comm)
+        if self.memory.get("peak_bytes") is not None:
+            out["mem_bytes"] = self.memory["peak_bytes"]
+        util = mx.device_utilisation(self.device)
+        if util is not None:
+            out["device_utilisation"] = util
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        out = {"mem_bytes": self.memory.get("peak_bytes"),
+               "mem_source": self.memory.get("source"), **self.comm}
+        return out
 
 
 def losses_for(cfg: Config, batches: list[dict[str, np.ndarray]], mesh: Mesh | None = None,

@@ -27,7 +27,7 @@ def _records(workdir):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run") / "a")
-    proc = run_launch(workdir)
+    proc = run_launch(workdir, {"metrics.profile_every": 3})  # step 3 runs under the profiler
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir, proc
 
@@ -40,6 +40,10 @@ def test_run_directory_contract(finished_run):
         assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
         assert all(np.isfinite(r[k]) for k in METRIC_KEYS)
     assert records[-1]["loss"] < records[0]["loss"]
+    assert all(r["mem_bytes"] > 0 for r in records)  # CPU: from the compiled step's analysis
+    # The traced step all-reduces gradients over `data`: communication is part of device time.
+    assert "comm_fraction" not in records[1] and 0 < records[2]["comm_fraction"] < 1
+    assert os.path.isdir(os.path.join(workdir, "tensorboard", "plugins", "profile"))
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
@@ -64,7 +68,7 @@ def test_resumed_run_continues_with_the_same_losses(finished_run, tmp_path):
     resumed = str(tmp_path / "b")
     shutil.copytree(os.path.join(workdir, "checkpoints", "2"),
                     os.path.join(resumed, "checkpoints", "2"))
-    proc = run_launch(resumed)
+    proc = run_launch(resumed, {"metrics.profile_every": 3})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 2" in proc.stdout
     first, second = _records(workdir), _records(resumed)
