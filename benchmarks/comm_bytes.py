@@ -19,12 +19,13 @@ Prints a table; writes {"config", "exact_bytes" (warmup), "compressed_bytes", "r
 
 import argparse
 import ast
-import json
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402  (no JAX import yet)
 from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
 
@@ -105,10 +106,7 @@ def main(argv=None) -> dict:
                           for op in sorted({c.op for c in ops}))
         ratio = "1/%.1f" % (sent["warmup"] / sent[name])
         print(f"{name:<12} {len(ops):>11} {sent[name]:>18,.0f} {ratio:>10}  {kinds}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     return result
 
 

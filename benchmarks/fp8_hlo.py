@@ -16,12 +16,13 @@ Prints a table; writes {"config", "fp8_dots", "expected_fp8_dots", "high_precisi
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402  (no JAX import yet)
 from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
 
@@ -52,7 +53,6 @@ def main(argv=None) -> dict:
 
     cfg = load(args.config)
     if args.preset:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import step_time  # pylint: disable=import-outside-toplevel
         cfg = step_time._apply_preset(cfg, args.preset)  # pylint: disable=protected-access
     ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
@@ -99,10 +99,7 @@ def main(argv=None) -> dict:
     print(f"fp8 dots {result['fp8_dots']} (expected {expected_fp8}), high-precision dots "
           f"{result['high_precision_dots']} (expected {expected_high}), cuBLASLt fp8 GEMMs "
           f"{result['cublas_fp8_gemms']}, Triton fp8 fusions {result['triton_fp8_fusions']}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     return result
 
 

@@ -24,7 +24,6 @@ Prints a table; writes {"dsjax_tokens_per_sec" (one-device mesh), "dsjax_mesh_to
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
 from compare import DEFAULT_DATA_DIR, host_batches  # noqa: E402  pylint: disable=C0413
 from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
@@ -200,10 +200,7 @@ def main(argv=None) -> dict:
           f"batch {B} x {S} tokens; {args.steps} timed steps in rounds of {args.round}; "
           f"torch threads {args.threads} of {os.cpu_count()} cores; load average "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     return result
 
 

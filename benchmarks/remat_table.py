@@ -11,12 +11,13 @@ Prints a table; writes {"config", "rows": [{"policy", "layers", "temp_bytes", "f
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
 
 ensure_cpu_devices(1)
@@ -87,10 +88,7 @@ def main(argv=None) -> dict:
         print(f"{r['policy']:<36} {r['layers']:<8} {r['temp_bytes'] / 2**30:>9.2f} "
               f"{r['mem_ratio']:>6.3f} {r['flops'] / 1e12:>9.2f} {r['flops_ratio']:>6.3f} "
               f"{r['activation_bytes_saved_per_layer'] / 2**20:>16.1f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     return result
 
 

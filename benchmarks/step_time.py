@@ -14,13 +14,14 @@ step's memory_analysis (labelled).
 import argparse
 import ast
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402
 from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
 
@@ -141,10 +142,7 @@ def main(argv=None) -> dict:
               f"{r['tokens_per_sec']:>10,.0f} {100 * r['mfu']:>5.1f}% {mem} "
               f"{ratios[r['config']]['tokens_per_sec']:>7.3f}")
     print(f"MFU against {peak:.3g} FLOP/s per device ({peak_source})")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     return result
 
 
