@@ -10,8 +10,14 @@ import sys
 _FLAG = "--xla_force_host_platform_device_count"
 
 
-def ensure_cpu_devices(count: int) -> None:
-    """Asks XLA for `count` CPU devices unless XLA_FLAGS already says how many."""
+def ensure_cpu_devices(count: int, num_processes: int = 1) -> None:
+    """Asks XLA for this process's share of `count` CPU devices (the mesh spans `num_processes`
+    processes, each simulating count / num_processes) unless XLA_FLAGS already says how many."""
+    if count % num_processes:
+        from dsjax.config import ConfigError  # pylint: disable=g-import-not-at-top
+        raise ConfigError(f"mesh: {count} devices cannot be split evenly over {num_processes} "
+                          "processes (set mesh.data, mesh.tensor, mesh.pipeline)")
+    count //= num_processes
     if "jax" in sys.modules:
         return  # too late to change; the mesh check will report a device-count mismatch
     flags = os.environ.get("XLA_FLAGS", "")

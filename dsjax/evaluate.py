@@ -7,6 +7,7 @@ tokens; the EOS predictions' NLL is counted in the numerator, so it is, if anyth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any
@@ -92,12 +93,17 @@ def _local(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
     """Greedy continuation. Recomputes the full window each token (no KV cache): fine for samples,
-    not a serving path. The prompt is replicated over the `data` axis so the batch divides it."""
+    not a serving path. The prompt is replicated over the `data` axis so the batch divides it.
+
+    Multi-process: every process holds the same ids, so each fills its own devices' rows from its
+    copy (`make_array_from_callback`), and the next token comes back replicated, readable on all.
+    """
     seq = trainer.cfg.data.seq_len
     rows = trainer.mesh.shape["data"]
     apply_fn = trainer.eval_model.apply
+    in_sharding = sharding.batch_sharding(trainer.mesh)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=sharding.replicated(trainer.mesh))
     def next_token(params, tokens_BS, length):
         logits = apply_fn({"params": params}, tokens_BS)
         return jnp.argmax(logits[:, length - 1], axis=-1)
@@ -108,7 +114,7 @@ def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> li
             window = ids[-seq:]
             buf = np.zeros((rows, seq), np.int32)
             buf[:, :len(window)] = window
-            tokens = jax.device_put(buf, sharding.batch_sharding(trainer.mesh))
+            tokens = jax.make_array_from_callback(buf.shape, in_sharding, lambda index: buf[index])
             ids.append(int(jax.device_get(next_token(params, tokens, len(window)))[0]))
     return ids[len(prompt_ids):]
 
