@@ -40,6 +40,12 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
         if cfg.data.tokenizer != "byte":
             raise DataError("data.tokenizer: the stdlib corpus is byte-tokenized; use 'byte'")
         cache = cfg.data.path or os.path.join(workdir, "data", "stdlib")
+        if jax.process_count() > 1:
+            # One writer: process 0 builds the cache, the others wait for it and then read it.
+            from jax.experimental import multihost_utils
+            if jax.process_index() == 0:
+                build_stdlib_corpus(cache)
+            multihost_utils.sync_global_devices("dsjax stdlib corpus")
         train, held_out = build_stdlib_corpus(cache)
         return Splits(train, held_out, "byte")
     train, held_out = os.path.join(cfg.data.path, "train"), os.path.join(cfg.data.path, "eval")

@@ -550,7 +550,7 @@ class _Observer:
         self.trainer = trainer
         self.every = trainer.cfg.metrics.profile_every
         self.logdir = os.path.join(workdir, "tensorboard")
-        self.device = trainer.mesh.devices.flat[0]
+        self.device = trainer.mesh.local_devices[0]  # addressable by this process
         self.memory: dict[str, Any] = {}
         self.compiled_memory: dict[Any, dict[str, Any]] = {}
         self.comm: dict[str, Any] = {}

@@ -109,15 +109,11 @@ def _tail(path, chars=4000):
 
 
 @pytest.mark.slow
-# Process 1 dies in train._Observer: it asks `mesh.devices.flat[0]` (process 0's) for memory
-# statistics. Strict: once train.py uses `mesh.local_devices[0]` this passes (measured with that
-# fix: 56 s, loss difference <= 7.6e-8 relative) and the marker must go.
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="train._Observer queries a device of another process")
 def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     from dsjax.data import build_stdlib_corpus
 
-    # Prebuilt once: two processes building the default per-workdir corpus would race on it.
+    # Prebuilt once, shared by both runs (saves building it twice; processes of one run no longer
+    # race on it: process 0 builds, the others wait).
     corpus = str(tmp_path / "corpus")
     build_stdlib_corpus(corpus)
     flags = {**TINY_FLAGS, "train.steps": 3, "checkpoint.every": 0, "data.path": corpus,
