@@ -79,16 +79,28 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Writes logged steps to the console, `metrics.jsonl` and TensorBoard (process 0 only)."""
+    """Writes logged steps to the console, `metrics.jsonl` and TensorBoard (process 0 only).
 
-    def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True):
+    On a terminal the console gets a live progress bar (step, loss, tokens/s, MFU, ETA) under the
+    scrolling log lines; piped to a file it gets the lines alone.
+    """
+
+    def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True,
+                 live: bool | None = None):
         self.enabled = jax.process_index() == 0
         self.total_steps = total_steps
         self.history: list[dict[str, Any]] = []
         self._jsonl = None
         self._tb = None
+        self._live = None
         if not self.enabled:
             return
+        if sys.stdout.isatty() if live is None else live:
+            from rich.progress import BarColumn, Progress, TextColumn
+            self._live = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                  TextColumn("{task.fields[stats]}"))
+            self._task = self._live.add_task("train", total=total_steps, stats="compiling...")
+            self._live.start()
         os.makedirs(workdir, exist_ok=True)
         self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
         if tensorboard:
@@ -112,7 +124,14 @@ class MetricsWriter:
                 f"MFU {100 * record['mfu']:.1f}%")
         if eta_s is not None:
             line += f" | ETA {format_duration(eta_s)}"
-        print(line, flush=True)
+        if self._live is None:
+            print(line, flush=True)
+            return
+        self._live.console.print(line)
+        self._live.update(self._task, completed=record["step"], stats=(
+            f"loss {record['loss']:.4f} | {record['tokens_per_sec']:,.0f} tok/s | "
+            f"MFU {100 * record['mfu']:.1f}%" +
+            (f" | ETA {format_duration(eta_s)}" if eta_s is not None else "")))
 
     def write_eval(self, step: int, values: dict[str, float]) -> None:
         if self.enabled and self._tb is not None:
@@ -122,6 +141,9 @@ class MetricsWriter:
             self._tb.flush()
 
     def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
