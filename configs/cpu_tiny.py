@@ -60,7 +60,7 @@ def get_config(arg=None):
         clip_norm=1.0,       # global-norm gradient clipping (0 = off)
         # 1-bit Adam (name="onebit_adam"; docs/onebit.md). Not used by adamw.
         freeze_step=120,     # exact Adam steps before v freezes and 1-bit compression starts (20%)
-        bucket_mb=32.0,      # MiB of momentum per compressed all-reduce (0 = one per tensor)
+        bucket_mb=0.0,       # MiB per compressed all-reduce; 0 = one per tensor (converges best)
         bias_correction=False,  # Adam's bias correction (False = DeepSpeed's OnebitAdam)
         error_feedback=True,    # carry each step's compression error into the next (ablation: off)
     ))

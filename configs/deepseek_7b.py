@@ -45,7 +45,7 @@ def get_config(arg=None):
         name="adamw", lr=4.2e-4, warmup_steps=100, min_lr_ratio=0.1,  # DeepSeek-LLM 7B peak lr
         b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
         freeze_step=200,        # 1-bit Adam: exact Adam steps before compression (20% of steps)
-        bucket_mb=32.0,         # 1-bit Adam: MiB of momentum per compressed all-reduce
+        bucket_mb=0.0,          # 1-bit Adam: one compressed all-reduce per tensor (DeepSpeed)
         bias_correction=False,  # 1-bit Adam: no bias correction, as DeepSpeed
         error_feedback=True,    # 1-bit Adam: carry the compression error into the next step
     ))

@@ -95,7 +95,7 @@ class OptimConfig:
     clip_norm: float = 1.0
     # 1-bit Adam only (name = "onebit_adam"; Tang et al. 2021, DeepSpeed's OnebitAdam):
     freeze_step: int = 0  # exact Adam steps before v freezes and compression starts (>= 1)
-    bucket_mb: float = 32.0  # MiB of momentum per compressed all-reduce (0: one per tensor)
+    bucket_mb: float = 0.0  # MiB of momentum per compressed all-reduce; 0: one per tensor
     bias_correction: bool = False  # Adam's bias correction (DeepSpeed: off)
     error_feedback: bool = True  # carry each step's compression error into the next
 

@@ -40,6 +40,11 @@ DeepSpeed fidelity (deepspeed/runtime/fp16/onebit/adam.py, runtime/comm/nccl.py)
   a small tensor of large momentum next to a big quiet one is coarsely represented; the error
   feedback makes up for it over steps.
 - DeepSpeed's optional `exp_avg_mask` (for momenta that are exactly zero forever) is not here.
+  Instead, coordinates whose frozen `v` is exactly 0 (no gradient ever reached them before the
+  freeze: e.g. embedding rows of tokens not seen yet) get no Adam update in the compressed
+  phase. Their 1-bit estimate is +-scale however small their true momentum, and dividing that
+  by sqrt(0) + eps would move them by lr * scale / eps per step (30 at lr 3e-3, scale 1e-4).
+  DeepSpeed moves them so unless the user masks them.
 - `error_feedback=False` (an ablation; DeepSpeed has no such switch) drops both errors after
   every compressed step, leaving plain, biased sign compression of the momentum.
 """
@@ -397,7 +402,9 @@ class OneBitAdam:
             server_errors.append(se[None])
         mu = plan.unflatten(means)
         count_inc = state.count + 1
-        updates = self._updates(mu, state.nu, params, count_inc,
+        # v == 0: never had a gradient, true momentum 0 (module docstring); weight decay stays.
+        seen = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
+        updates = self._updates(seen, state.nu, params, count_inc,
                                 jnp.asarray(self.freeze_step, jnp.int32), self._lr(state.count))
         return updates, state._replace(count=count_inc, mu=mu,
                                        worker_error=plan.by_group(worker_errors),
