@@ -313,8 +313,8 @@ def validate(cfg: Config) -> None:
     if o.name == "onebit_adam":
         if not 1 <= o.freeze_step < t.steps:
             raise ConfigError(f"optim.freeze_step: 1-bit Adam needs 1 <= freeze_step < train.steps "
-                              f"= {t.steps} (exact Adam steps before compression; DeepSpeed "
-                              f"suggests 15-25% of training), got {o.freeze_step}")
+                              f"= {t.steps} (exact Adam steps before compression, e.g. 20% of "
+                              f"them), got {o.freeze_step}")
         if cfg.mesh.fsdp:
             raise ConfigError("mesh.fsdp: optim.name='onebit_adam' needs parameters and optimizer "
                               "state replicated over `data` (each worker compresses its own "
