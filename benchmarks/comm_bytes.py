@@ -69,14 +69,11 @@ def main(argv=None) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
     from dsjax import sharding  # pylint: disable=import-outside-toplevel
-    from dsjax.train import abstract_state, build_trainer  # pylint: disable=import-outside-toplevel
+    from dsjax.train import (  # pylint: disable=import-outside-toplevel
+        abstract_batch, abstract_state, build_trainer)
 
     trainer = build_trainer(cfg)
-    state = abstract_state(trainer)
-    shape = (cfg.data.global_batch, cfg.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, "float32" if k == "weights" else "int32",
-                                     sharding=trainer.batch_shardings[k])
-             for k in trainer.batch_shardings}
+    state, batch = abstract_state(trainer), abstract_batch(trainer)
     steps = {}
     with sharding.activate(trainer.mesh, trainer.rules):
         for name, fn in (("warmup", trainer.step_fn), ("compressed", trainer.compressed_step_fn)):

@@ -58,17 +58,14 @@ def main(argv=None) -> dict:
     ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import fp8, sharding  # pylint: disable=import-outside-toplevel
-    from dsjax.train import abstract_state, build_trainer  # pylint: disable=import-outside-toplevel
+    from dsjax.train import (  # pylint: disable=import-outside-toplevel
+        abstract_batch, abstract_state, build_trainer)
 
     cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="none",
                                                              layers="all"),
                               optim=dataclasses.replace(cfg.optim, name="adamw"))
     trainer = build_trainer(cfg)
-    state = abstract_state(trainer)
-    shape = (cfg.data.global_batch, cfg.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, "float32" if k == "weights" else "int32",
-                                     sharding=trainer.batch_shardings[k])
-             for k in trainer.batch_shardings}
+    state, batch = abstract_state(trainer), abstract_batch(trainer)
     with sharding.activate(trainer.mesh, trainer.rules):
         lowered = trainer.step_fn.lower(state, batch)
     dots = fp8.dot_general_dtypes(lowered.as_text())

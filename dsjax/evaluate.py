@@ -150,13 +150,9 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
 
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
     """`--mode eval`: restores the latest checkpoint in `workdir` (onto this config's mesh)."""
-    from dsjax.train import build_trainer
+    from dsjax.train import abstract_state, build_trainer
 
     trainer = build_trainer(cfg)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        shapes = jax.eval_shape(trainer.init_fn, jax.random.key(0))
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes.params, trainer.state_shardings.params)
-    params = ckpt.restore_params(workdir, abstract, cfg.model)
+    params = ckpt.restore_params(workdir, abstract_state(trainer).params, cfg.model)
     splits = data_splits(cfg, workdir)
     return evaluate_and_report(trainer, params, splits, cfg, workdir)

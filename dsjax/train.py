@@ -380,6 +380,13 @@ def abstract_state(trainer: Trainer) -> TrainState:
                         shapes, trainer.state_shardings)
 
 
+def abstract_batch(trainer: Trainer) -> dict[str, jax.ShapeDtypeStruct]:
+    """One global batch's shapes, dtypes and shardings, for lowering a step without data."""
+    shape = (trainer.cfg.data.global_batch, trainer.cfg.data.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
+                                    sharding=s) for k, s in trainer.batch_shardings.items()}
+
+
 def run(cfg: Config, workdir: str) -> dict[str, Any]:
     """Trains `cfg` in `workdir` (resuming from its latest checkpoint), evaluates, writes summary."""
     from dsjax import evaluate  # local: evaluate imports train for the trainer
@@ -488,7 +495,8 @@ def run(cfg: Config, workdir: str) -> dict[str, Any]:
     try:
         for step_idx in range(start, cfg.train.steps):
             batch = trainer.device_batch(next(data_it))
-            observer.measure_memory(state, batch)
+            if (step_idx + 1) % cfg.train.log_every == 0 or step_idx + 1 == cfg.train.steps:
+                observer.measure_memory(state, batch)  # read by this step's record
             if observer.profile_due(step_idx):
                 if pending is not None:
                     drain(pending)
@@ -599,18 +607,5 @@ class _Observer:
         return out
 
     def summary(self) -> dict[str, Any]:
-        out = {"mem_bytes": self.memory.get("peak_bytes"),
-               "mem_source": self.memory.get("source"), **self.comm}
-        return out
-
-
-def losses_for(cfg: Config, batches: list[dict[str, np.ndarray]], mesh: Mesh | None = None,
-               state: TrainState | None = None) -> tuple[list[float], TrainState]:
-    """Runs `train_step` over host batches and returns the losses (used by tests and tools)."""
-    trainer = build_trainer(cfg, mesh)
-    state = trainer.init() if state is None else state
-    losses = []
-    for b in batches:
-        state, m = trainer.step(state, trainer.device_batch(b))
-        losses.append(float(m["loss"]))
-    return losses, state
+        return {"mem_bytes": self.memory.get("peak_bytes"),
+                "mem_source": self.memory.get("source"), **self.comm}

@@ -337,11 +337,10 @@ def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import fp8_hlo  # the benchmark's counting is what this test pins
     from dsjax import sharding
-    from dsjax.train import abstract_state, build_trainer
+    from dsjax.train import abstract_batch, abstract_state, build_trainer
 
     trainer = build_trainer(_train_cfg(**overrides))
-    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=s) for k, s in trainer.batch_shardings.items()}
+    batch = abstract_batch(trainer)
     with sharding.activate(trainer.mesh, trainer.rules):
         text = trainer.step_fn.lower(abstract_state(trainer), batch).as_text()
     dots = fp8.dot_general_dtypes(text)
