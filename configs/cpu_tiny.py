@@ -78,6 +78,15 @@ def get_config(arg=None):
         layers="all",        # all | every_N | one policy per layer, comma-separated
         memory_budget_gb=0.0,  # "auto": per-device budget (0 = 90% of device memory)
     ))
+    c.pipeline = ConfigDict(dict(
+        schedule="gpipe",    # gpipe | circular | 1f1b (when mesh.pipeline > 1)
+        microbatches=1,      # microbatches streamed through the stages
+        repeats=1,           # circular: layer groups per stage
+    ))
+    c.batch = ConfigDict(dict(
+        policy="fixed",      # fixed | ramp | adaptive global batch size
+        ladder="",           # allowed global batch sizes, comma-separated ("" = data.global_batch)
+    ))
     c.checkpoint = ConfigDict(dict(
         every=200,           # steps between checkpoints (and one at the end)
         keep=2,              # checkpoints kept

@@ -61,6 +61,8 @@ def get_config(arg=None):
         layers="all",           # every layer
         memory_budget_gb=0.0,   # only for policy "auto"
     ))
+    c.pipeline = ConfigDict(dict(schedule="gpipe", microbatches=1, repeats=1))
+    c.batch = ConfigDict(dict(policy="fixed", ladder=""))
     c.checkpoint = ConfigDict(dict(every=200, keep=3, async_save=True, init_from=""))
     c.metrics = ConfigDict(dict(
         peak_flops_per_device=0.0,  # 0: the device's datasheet bf16 peak

@@ -124,6 +124,21 @@ class RematConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    # Owned by issue #7 (dsjax/pipeline.py); used when mesh.pipeline > 1.
+    schedule: str = "gpipe"  # gpipe | circular | 1f1b
+    microbatches: int = 1
+    repeats: int = 1  # circular: layer groups per stage
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    # Owned by issue #8 (dsjax/batching.py).
+    policy: str = "fixed"  # fixed | ramp | adaptive
+    ladder: str = ""  # allowed global batch sizes, comma-separated ("" = data.global_batch only)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # 0: only at the end
     keep: int = 3
@@ -148,6 +163,8 @@ class Config:
     optim: OptimConfig
     fp8: FP8Config
     remat: RematConfig
+    pipeline: PipelineConfig
+    batch: BatchConfig
     checkpoint: CheckpointConfig
     metrics: MetricsConfig
 
@@ -166,6 +183,8 @@ _SECTIONS = {
     "optim": OptimConfig,
     "fp8": FP8Config,
     "remat": RematConfig,
+    "pipeline": PipelineConfig,
+    "batch": BatchConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
 }
