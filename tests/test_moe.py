@@ -1,0 +1,224 @@
+"""DeepSeek-V2/V3 (MLA + DeepSeekMoE) against the reference nobody here wrote: `transformers`'
+DeepseekV2ForCausalLM / DeepseekV3ForCausalLM, through dsjax.convert in both directions.
+
+Every HF model is tiny and random, built offline, with unit-scale weights, randomised norm scales
+and (V3) a randomised correction bias, so a wrong mapping, a wrong RoPE pairing, a wrong group
+rule or an ignored bias moves logits by O(1) or changes which experts a token picks.
+"""
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM,
+                          DeepseekV3Config, DeepseekV3ForCausalLM)
+from transformers.utils import logging as hf_logging
+
+from dsjax import checkpoint as ckpt
+from dsjax import convert
+from dsjax.model import Transformer
+from dsjax.model.decoder import abstract_params
+from dsjax.model.moe import MoE, moe_fields, route
+
+hf_logging.disable_progress_bar()
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, qk_nope_head_dim=12,
+              qk_rope_head_dim=8, v_head_dim=10, moe_intermediate_size=20, n_routed_experts=8,
+              num_experts_per_tok=3, first_k_dense_replace=1, tie_word_embeddings=False,
+              max_position_embeddings=256)
+# V2: softmax router, group-limited greedy (4 groups of 2, 2 kept), plain q projection, two
+# shared experts, a routed scaling factor that would show if dropped.
+V2 = dict(COMMON, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
+          n_group=4, topk_group=2, routed_scaling_factor=1.7, norm_topk_prob=False)
+# V3: sigmoid router + correction bias, top-2-sum group scores, normalised weights, low-rank q,
+# YaRN (factor 4 over a 32-token original context: the ramp lands inside the 4 rotary pairs).
+V3 = dict(COMMON, q_lora_rank=16, n_shared_experts=1, n_group=4, topk_group=2,
+          routed_scaling_factor=2.5, norm_topk_prob=True,
+          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 32, "beta_fast": 32,
+                           "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6})
+
+
+def save_random_deepseek(path, version, seed=0, **overrides):
+    """A random DeepseekV{2,3}ForCausalLM saved as safetensors; returns the torch model."""
+    config_cls, model_cls, base = {2: (DeepseekV2Config, DeepseekV2ForCausalLM, V2),
+                                   3: (DeepseekV3Config, DeepseekV3ForCausalLM, V3)}[version]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**base, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # norm scales: far from HF's all-ones init
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+            else:  # unit-scale activations and O(1) router logits
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # comparable to sigmoid score gaps
+                b.copy_(0.3 * torch.randn_like(b))
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def dsjax_params(ckpt_dir, cfg):
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            nn.unbox(abstract_params(cfg)))
+    return ckpt.restore_params(ckpt_dir, abstract, cfg)
+
+
+def quiet(*_):
+    pass
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
+def converted(request, tmp_path_factory):
+    """(version, HF dir, torch model, dsjax config, dsjax params) of one random model."""
+    version = request.param
+    root = tmp_path_factory.mktemp(f"v{version}")
+    hf_dir, ckpt_dir = str(root / "hf"), str(root / "ckpt")
+    model = save_random_deepseek(hf_dir, version, seed=version)
+    cfg = convert.hf_to_orbax(hf_dir, ckpt_dir, log=quiet)
+    return version, hf_dir, model, cfg, dsjax_params(ckpt_dir, cfg)
+
+
+def test_config_maps_every_deepseek_field(converted):
+    version, _, model, cfg, _ = converted
+    c = model.config
+    assert (cfg.attention, cfg.q_lora_rank, cfg.kv_lora_rank) == ("mla", c.q_lora_rank or 0,
+                                                                  c.kv_lora_rank)
+    assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok,
+            cfg.n_group, cfg.topk_group, cfg.first_k_dense_replace) == (8, c.n_shared_experts, 3,
+                                                                        4, 2, 1)
+    assert cfg.scoring == ("softmax" if version == 2 else "sigmoid")
+    assert cfg.rope_scaling == ("none" if version == 2 else "yarn")
+
+
+def test_logits_match_transformers(converted):
+    _, _, model, cfg, params = converted
+    # 96 positions: past YaRN's 32-token original context and its ramp.
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 96))
+    with torch.no_grad():
+        want = model(torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(Transformer(cfg).apply({"params": params}, jnp.asarray(tokens)))
+    assert want.std() > 0.5  # O(1) logits: a wrong mapping cannot hide under the tolerance
+    # float32 on both sides; only summation order differs.
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_router_choices_and_moe_output_match_per_layer(converted):
+    """Each MoE layer fed HF's own input: the same expert *sets* per token, the same output."""
+    _, _, model, cfg, params = converted
+    captured = {}
+
+    def hook(i):
+        def fn(module, args, output):
+            captured[i] = (args[0].detach().numpy(), output.detach().numpy(),
+                           module.gate(args[0])[2].detach().numpy())
+        return fn
+
+    moe_layers = range(cfg.first_k_dense_replace, cfg.num_layers)
+    handles = [model.model.layers[i].mlp.register_forward_hook(hook(i)) for i in moe_layers]
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 48))
+    with torch.no_grad():
+        model(torch.as_tensor(tokens))
+    for h in handles:
+        h.remove()
+
+    block = MoE(**dict(moe_fields(cfg)))
+    for i in moe_layers:
+        x, want_out, want_experts = captured[i]
+        layer = jax.tree.map(lambda a: a[i - cfg.first_k_dense_replace],
+                             params["moe_layers"]["moe"])
+        got_out, stats = block.apply({"params": layer}, jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(got_out), want_out, atol=1e-4, rtol=1e-4)
+        logits = np.asarray(x).reshape(-1, cfg.hidden_size) @ np.asarray(layer["router"])
+        got_experts, _, _ = route(jnp.asarray(logits), layer.get("router_bias"),
+                                  k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                                  topk_group=cfg.topk_group, scoring=cfg.scoring,
+                                  norm_topk_prob=cfg.norm_topk_prob,
+                                  scaling=cfg.routed_scaling_factor)
+        for t, (g, w) in enumerate(zip(np.asarray(got_experts), want_experts)):
+            assert set(g.tolist()) == set(w.tolist()), (i, t)
+        assert float(stats["load"].sum()) == x.shape[0] * x.shape[1] * cfg.num_experts_per_tok
+
+
+def test_correction_bias_changes_choices(converted):
+    """The bias must matter (else the V3 parity above could not catch a dropped bias)."""
+    version, _, _, cfg, params = converted
+    if version == 2:
+        pytest.skip("V2 has no correction bias")
+    layer = jax.tree.map(lambda a: a[0], params["moe_layers"]["moe"])
+    x = jax.random.normal(jax.random.key(0), (64, cfg.hidden_size))
+    kw = dict(k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+              scoring="sigmoid", norm_topk_prob=True, scaling=2.5)
+    with_bias = route(x @ layer["router"], layer["router_bias"], **kw)[0]
+    without = route(x @ layer["router"], jnp.zeros_like(layer["router_bias"]), **kw)[0]
+    assert np.mean(np.sort(with_bias, -1) != np.sort(without, -1)) > 0.05
+
+
+def _load_all(directory):
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def test_export_is_bit_exact_and_loads_in_transformers(converted, tmp_path):
+    version, hf_dir, model, cfg, _ = converted
+    ckpt_dir, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    convert.hf_to_orbax(hf_dir, ckpt_dir, log=quiet)
+    convert.orbax_to_hf(ckpt_dir, out, dtype="bfloat16", log=quiet)
+    before, after = _load_all(hf_dir), _load_all(out)
+    assert sorted(before) == sorted(after)
+    for name, t in before.items():
+        if name.endswith("e_score_correction_bias"):
+            assert after[name].dtype == torch.float32  # kept float32 whatever --dtype says
+            assert torch.equal(after[name], t), name
+        else:
+            assert after[name].dtype == torch.bfloat16, name
+            assert torch.equal(after[name], t.to(torch.bfloat16)), name
+    # And float32 export reloads as the same model.
+    out32 = str(tmp_path / "out32")
+    convert.orbax_to_hf(ckpt_dir, out32, dtype="float32", log=quiet)
+    reloaded = hf_model(out32)
+    assert type(reloaded).__name__ == f"DeepseekV{version}ForCausalLM"
+    tokens = torch.as_tensor(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 40)))
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(tokens).logits.numpy(),
+                                      hf_model(hf_dir)(tokens).logits.numpy())
+    assert convert.model_config_from_hf(convert.hf_config(cfg, "float32")) == cfg
+
+
+def test_fp8_block_scaled_weights_are_dequantised_on_import(tmp_path):
+    """V3's release stores matrices as float8_e4m3fn with one float32 `weight_scale_inv` per
+    128x128 block (w = w_fp8 * scale); the MTP module sits in layer num_hidden_layers."""
+    hf_dir = str(tmp_path / "hf")
+    model = save_random_deepseek(hf_dir, 3, seed=5, hidden_size=160,
+                                 num_attention_heads=4)  # 160 > 128: two blocks along D
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.2.self_attn.q_a_proj.weight"  # [16, 160]
+    w = tensors[name]
+    scale = torch.tensor([[0.02, 0.05]])  # blocks [0:16, 0:128] and [0:16, 128:160]
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:w.shape[0], :w.shape[1]]
+    tensors[name] = (w / full).to(torch.float8_e4m3fn)
+    tensors[name + "_scale_inv"] = scale
+    tensors["model.layers.3.eh_proj.weight"] = torch.randn(160, 320)  # MTP: skipped
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = convert.hf_to_orbax(hf_dir, str(tmp_path / "ckpt"), log=quiet)
+    params = dsjax_params(str(tmp_path / "ckpt"), cfg)
+    want = (tensors[name].to(torch.float32) * full).numpy()
+    np.testing.assert_array_equal(np.asarray(params["moe_layers"]["attn"]["q_a"][1]), want.T)
+    assert np.abs(want - w.numpy()).max() < 0.1 * np.abs(w.numpy()).max()  # fp8-close
+    del model
