@@ -112,13 +112,14 @@ def process_count(coordinator: str | None = None, num_processes: int | None = No
 def describe_layout(mesh) -> str:
     """Which process owns each mesh position, for the start-of-run log.
 
-    One line per process (its devices and their mesh coordinates), then whether every `tensor`
-    group lies inside one process: tensor parallelism all-reduces every layer, so a group that
-    spans processes puts that traffic on the slow inter-host links.
+    One line per process (its devices and their mesh coordinates), then how many processes each
+    axis's groups span, and whether every `tensor` group lies inside one process: tensor
+    parallelism all-reduces every layer, so a group that spans processes puts that traffic on
+    the slow inter-host links. `mesh` needs only `devices`, `axis_names` and `shape`.
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    owner = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    owner = _owners(mesh)
     names = list(mesh.axis_names)
     lines = [f"mesh {dict(mesh.shape)} over {owner.max() + 1} process(es)"]
     for p in range(int(owner.max()) + 1):
@@ -126,15 +127,28 @@ def describe_layout(mesh) -> str:
         devices = [int(mesh.devices[c].id) for c in coords]
         where = ", ".join(f"{d}@({','.join(map(str, c))})" for d, c in zip(devices, coords))
         lines.append(f"  process {p}: {len(devices)} devices, id@({','.join(names)}): {where}")
+    spans = ", ".join(f"{name} {processes_per_group(mesh, name)}" for name in names)
+    lines.append(f"  processes per group along each axis: {spans}")
     lines.append(f"  tensor groups within one process: "
                  f"{'yes' if tensor_groups_local(mesh) else 'NO (tensor all-reduces cross hosts)'}")
     return "\n".join(lines)
 
 
-def tensor_groups_local(mesh) -> bool:
-    """True if the devices of every `tensor` group (all else fixed) share one process."""
+def _owners(mesh):
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    owner = np.vectorize(lambda d: d.process_index)(mesh.devices)
-    axis = list(mesh.axis_names).index("tensor")
-    return bool(np.all(owner == np.take(owner, [0], axis=axis)))
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def processes_per_group(mesh, axis: str) -> int:
+    """The most processes any group along `axis` (all other coordinates fixed) spans."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    owner = np.moveaxis(_owners(mesh), list(mesh.axis_names).index(axis), -1)
+    rows = owner.reshape(-1, owner.shape[-1])
+    return max(len(set(row.tolist())) for row in rows)
+
+
+def tensor_groups_local(mesh) -> bool:
+    """True if the devices of every `tensor` group (all else fixed) share one process."""
+    return processes_per_group(mesh, "tensor") == 1

@@ -1,18 +1,21 @@
 """Multi-process runs (dsjax/distributed.py): settings detection, and 2 real processes on
 localhost that train the same losses as 1 process and leave a checkpoint a 1-process eval reads."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_FLAGS, run_launch
-from dsjax import distributed
+from dsjax import config as config_lib
+from dsjax import distributed, sharding, xla_flags
 from dsjax.config import ConfigError
 from dsjax.sharding import MESH_AXES
 
@@ -116,8 +119,10 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     # race on it: process 0 builds, the others wait).
     corpus = str(tmp_path / "corpus")
     build_stdlib_corpus(corpus)
+    # The "overlap" XLA profile rides along: its flags are GPU-only, so on CPU the losses must
+    # not move, and config.json must record them.
     flags = {**TINY_FLAGS, "train.steps": 3, "checkpoint.every": 0, "data.path": corpus,
-             "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1}
+             "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1, "mesh.xla_profile": "overlap"}
     two, one = str(tmp_path / "two"), str(tmp_path / "one")
 
     logs = _launch_processes(two, flags, 2, str(tmp_path))
@@ -125,6 +130,9 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     # `tensor` pair stays inside one process.
     assert "over 2 process(es)" in logs[0] and "process 1: 4 devices" in logs[0]
     assert "tensor groups within one process: yes" in logs[0]
+    assert "processes per group along each axis: data 2, tensor 1, pipeline 1" in logs[0]
+    n = len(xla_flags.flags("overlap"))
+    assert f"XLA flag profile 'overlap': {n} flags in XLA_FLAGS; no effect on cpu" in logs[0]
     assert "held-out: loss" in logs[0] and "held-out: loss" not in logs[1]  # process 0 prints
 
     proc = run_launch(one, flags, timeout=240)
@@ -139,6 +147,11 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
         summary = json.load(f)
     assert summary["steps"] == 3 and summary["final_train_loss"] == multi[-1]["loss"]
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["3"]
+    with open(os.path.join(two, "config.json"), encoding="utf-8") as f:
+        recorded = json.load(f)
+    assert recorded["mesh"]["xla_profile"] == "overlap"
+    assert recorded["xla_flags"]["applied"] == xla_flags.flags("overlap")
+    assert recorded["xla_flags"]["missing"] == []
 
     # The checkpoint both processes wrote restores in one process.
     proc = run_launch(two, flags, mode="eval", timeout=240)
@@ -146,3 +159,64 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     with open(os.path.join(two, "summary.json"), encoding="utf-8") as f:
         evaluated = json.load(f)
     np.testing.assert_allclose(evaluated["eval_loss"], summary["eval_loss"], rtol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What mesh construction and describe_layout read from a device of another process."""
+    id: int
+    process_index: int
+    platform: str = "gpu"
+    device_kind: str = "NVIDIA H100 80GB HBM3"
+
+
+def _fake_mesh(grid):
+    return types.SimpleNamespace(devices=grid, axis_names=MESH_AXES,
+                                 shape=dict(zip(MESH_AXES, grid.shape)))
+
+
+def test_hybrid_mesh_keeps_tensor_groups_inside_a_process():
+    # 2 processes x 4 GPUs whose global ids interleave (id = 2 * local + process, as a
+    # topology-ordered numbering can): the plain id-ordered mesh pairs process 0's and 1's
+    # devices in every tensor group; the hybrid one keeps each pair inside one process.
+    devices = [FakeDevice(2 * local + p, p) for p in range(2) for local in range(4)]
+    cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py", {"mesh.data": 4, "mesh.tensor": 2})
+    plain = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(4, 2, 1)
+    assert "tensor groups within one process: NO" in distributed.describe_layout(
+        _fake_mesh(plain))
+
+    grid = sharding.mesh_devices(cfg, devices)
+    text = distributed.describe_layout(_fake_mesh(grid))
+    assert "tensor groups within one process: yes" in text, text
+    assert "processes per group along each axis: data 2, tensor 1, pipeline 1" in text, text
+    # process 0 owns data rows 0-1, process 1 rows 2-3 (data = host * 2 + index in the host)
+    owner = np.vectorize(lambda d: d.process_index)(grid)
+    np.testing.assert_array_equal(owner[:, :, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
+    assert "process 1: 4 devices, id@(data,tensor,pipeline): 1@(2,0,0), 3@(2,1,0)" in text, text
+    # With one process per host this is jax's own hybrid layout.
+    from jax.experimental import mesh_utils
+    expected = mesh_utils.create_hybrid_device_mesh((2, 2, 1), (2, 1, 1), devices,
+                                                    process_is_granule=True)
+    assert [d.id for d in grid.flat] == [d.id for d in expected.flat]
+
+
+def test_hosts_of_several_processes_and_the_tensor_limit():
+    # 4 processes x 2 GPUs on 2 hosts (mesh.dcn_data = 2): a host is processes {0, 1} or {2, 3},
+    # so a tensor group of 4 fits inside a host though not inside a process.
+    devices = [FakeDevice(4 * local + p, p) for p in range(4) for local in range(2)]
+    cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py",
+                          {"mesh.data": 2, "mesh.tensor": 4, "mesh.dcn_data": 2,
+                           "model.num_kv_heads": 4})
+    grid = sharding.mesh_devices(cfg, devices)
+    owner = np.vectorize(lambda d: d.process_index)(grid)
+    assert set(owner[0].flat) == {0, 1} and set(owner[1].flat) == {2, 3}
+    assert distributed.processes_per_group(_fake_mesh(grid), "tensor") == 2
+
+    # The default (one host per process) cannot hold a tensor group of 4 on 2 GPUs.
+    with pytest.raises(ConfigError, match=r"^mesh.tensor: 4 must fit inside one host \(2 dev"):
+        sharding.mesh_devices(dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, dcn_data=0)), devices)
+    # 3 hosts cannot each hold whole processes of 4.
+    with pytest.raises(ConfigError, match="^mesh.dcn_data: dcn_data.dcn_pipeline = 3 hosts"):
+        sharding.host_split(dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, dcn_data=3)), 8, 4)

@@ -1,15 +1,18 @@
 """Invariant 1: the mesh shape never changes the math."""
 
+import json
 import os
+import re
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, random_batch
 from dsjax import config as config_lib
 from dsjax import sharding
-from dsjax.train import build_trainer
+from dsjax.train import abstract_batch, abstract_state, build_trainer
 
 TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
@@ -62,3 +65,89 @@ def test_parameters_are_sharded_as_the_rules_say():
     assert specs["layers"]["attn_norm"]["scale"] in ((None, None), (None,), ())
     mu = trainer.state_shardings.opt_state[1][0].mu  # Adam's first moment mirrors the params
     assert tuple(mu["layers"]["attn"]["q"].spec) == (None, "data", "tensor", None)
+
+
+def _load(overrides):
+    return config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), {**TINY, **overrides})
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"mesh.dcn_data": 3}, r"^mesh.dcn_data: mesh.data 4 must split evenly over the 3 hosts"),
+    ({"mesh.dcn_data": -1}, r"^mesh.dcn_data: must be >= 0"),
+    ({"mesh.dcn_pipeline": 0}, r"^mesh.dcn_pipeline: must be > 0"),
+    ({"optim.hierarchical": True}, r"^optim.hierarchical: only optim.name='onebit_adam'"),
+])
+def test_topology_fields_are_validated(overrides, match):
+    with pytest.raises(config_lib.ConfigError, match=match):
+        _load({"mesh.data": 4, "mesh.tensor": 2, **overrides})
+
+
+def test_simulated_hosts_and_their_data_view():
+    # One process, mesh.dcn_data = 2: each simulated host is a block of 4 consecutive devices.
+    cfg = _load({"mesh.data": 4, "mesh.tensor": 2, "mesh.dcn_data": 2})
+    mesh = sharding.make_mesh(cfg)
+    view = sharding.hierarchical_view(cfg, mesh)
+    assert dict(view.shape) == {"data_hosts": 2, "data_local": 2, "tensor": 2, "pipeline": 1}
+    ids = np.vectorize(lambda d: d.id)(view.devices)
+    assert set(ids[0].flat) == {0, 1, 2, 3} and set(ids[1].flat) == {4, 5, 6, 7}
+    # One sharding under two names: the view's (hosts, local) is the mesh's `data`.
+    spec = P(("data_hosts", "data_local"), "tensor")
+    assert sharding.from_host_view(spec) == P("data", "tensor")
+    shape = (8, 4)
+    assert (NamedSharding(view, spec).devices_indices_map(shape)
+            == NamedSharding(mesh, P("data", "tensor")).devices_indices_map(shape))
+    with pytest.raises(config_lib.ConfigError, match="^optim.hierarchical: the data axis spans 1"):
+        sharding.hierarchical_view(_load({"mesh.data": 4, "mesh.tensor": 2}),
+                                   sharding.make_mesh(cfg))
+
+
+def _replica_groups(text, op):
+    """Every replica group of the StableHLO collective `op` in a lowered program."""
+    groups = []
+    for line in text.splitlines():
+        if f'"stablehlo.{op}"' in line:
+            groups += json.loads(re.search(r"replica_groups = dense<(\[\[.*?\]\])>", line)[1])
+    return groups
+
+
+def _onebit_losses(overrides, batches):
+    trainer = build_trainer(_load({"mesh.data": 4, "mesh.tensor": 2, "mesh.dcn_data": 2,
+                                   "optim.name": "onebit_adam", "optim.freeze_step": 2,
+                                   "train.steps": 4, **overrides}))
+    state, losses, compressed = trainer.init(), [], []
+    for b in batches:
+        state, m = trainer.step(state, trainer.device_batch(b))
+        losses.append(float(m["loss"]))
+        compressed.append(int(m["onebit_compressed"]))
+    return trainer, state, np.array(losses), compressed
+
+
+@pytest.mark.slow
+def test_hierarchical_onebit_is_exact_inside_a_host_and_1bit_across_hosts():
+    rng = np.random.default_rng(1)
+    batches = [random_batch(rng, 8, 32) for _ in range(4)]
+    _, flat_state, flat, _ = _onebit_losses({}, batches)
+    trainer, state, hier, compressed = _onebit_losses({"optim.hierarchical": True}, batches)
+    assert compressed == [0, 0, 1, 1]
+    # Warmup steps average gradients exactly either way (one all-reduce over 4 workers vs over
+    # 2 x 2): the losses after them differ by float32 summation order only.
+    np.testing.assert_allclose(hier[:3], flat[:3], rtol=1e-5)
+    assert np.all(np.isfinite(hier))
+    # Error buffers: each worker keeps 1/L (L = 2 workers per host) of a bucket's error; the
+    # server error stays n / (L * hosts) = n / 4, as flat's n / W.
+    hier_w = [x.shape for x in jax.tree.leaves(state.opt_state.worker_error)]
+    flat_w = [x.shape for x in jax.tree.leaves(flat_state.opt_state.worker_error)]
+    assert [(r, 2 * c) for r, c in hier_w] == flat_w
+    assert ([x.shape for x in jax.tree.leaves(state.opt_state.server_error)]
+            == [x.shape for x in jax.tree.leaves(flat_state.opt_state.server_error)])
+    assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(state.opt_state.worker_error))
+
+    # Where the compressed step's collectives go (device index // 4 = its simulated host): the
+    # 1-bit exchange (all-to-all of packed signs) pairs the two hosts; the exact mean
+    # (reduce-scatter) stays inside one.
+    with sharding.activate(trainer.mesh, trainer.rules):
+        text = trainer.compressed_step_fn.lower(abstract_state(trainer),
+                                                abstract_batch(trainer)).as_text()
+    to_all, scatter = _replica_groups(text, "all_to_all"), _replica_groups(text, "reduce_scatter")
+    assert to_all and all(sorted(i // 4 for i in g) == [0, 1] for g in to_all)
+    assert scatter and all(len({i // 4 for i in g}) == 1 and len(g) == 2 for g in scatter)
