@@ -222,3 +222,166 @@ def test_fp8_block_scaled_weights_are_dequantised_on_import(tmp_path):
     np.testing.assert_array_equal(np.asarray(params["moe_layers"]["attn"]["q_a"][1]), want.T)
     assert np.abs(want - w.numpy()).max() < 0.1 * np.abs(w.numpy()).max()  # fp8-close
     del model
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: expert parallelism, the bias update, MTP, the configs
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# configs/cpu_moe.py shrunk: 2 dense-free MoE layers... (1 dense + 2 MoE), 1 MTP module.
+MOE_FLAGS = {"model.num_layers": 3, "model.hidden_size": 64, "model.mlp_dim": 128,
+             "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16,
+             "model.qk_rope_head_dim": 8, "model.v_head_dim": 16,
+             "model.moe_intermediate_size": 32, "data.seq_len": 32, "data.global_batch": 8,
+             "train.steps": 4, "train.log_every": 1, "optim.warmup_steps": 1}
+
+
+def _trainer(**overrides):
+    from dsjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
+
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"),
+                          {**MOE_FLAGS, **overrides})
+    return build_trainer(cfg)
+
+
+def _batch(seed=0):
+    from conftest import random_batch  # pylint: disable=import-outside-toplevel
+    return random_batch(np.random.default_rng(seed), 8, 32, vocab=512)
+
+
+def test_expert_parallel_matches_dense_fallback():
+    """Experts over `data` (4 devices, all-to-all in shard_map) vs all experts local under GSPMD:
+    dropless, so the same losses over two steps (the second after a step through both
+    gradients) and the same loads."""
+    runs = {}
+    for ep in (True, False):
+        trainer = _trainer(**{"model.expert_parallel": ep})
+        state = trainer.init()
+        losses, loads = [], []
+        for seed in range(2):
+            state, m = trainer.step(state, trainer.device_batch(_batch(seed)))
+            losses.append(float(m["loss"]))
+            loads.append(np.asarray(m["expert_load"]))
+        runs[ep] = losses, loads
+    # float32; the two layouts only sum in different orders (measured rel. diff ~1e-7).
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-5)
+    np.testing.assert_allclose(runs[True][1], runs[False][1], atol=1e-6)
+    assert runs[True][0][1] != runs[True][0][0]
+
+
+def test_expert_parallel_lowers_to_all_to_all():
+    from dsjax import train  # pylint: disable=import-outside-toplevel
+    trainer = _trainer()
+    state = train.abstract_state(trainer)
+    with __import__("dsjax.sharding").sharding.activate(trainer.mesh, trainer.rules):
+        hlo = trainer.step_fn.lower(state, train.abstract_batch(trainer)).as_text()
+    assert "all_to_all" in hlo or "all-to-all" in hlo
+
+
+def test_bias_update_moves_an_overloaded_expert_down():
+    """Expert 0 made to win every token (a large bias): after one step its correction bias is
+    exactly gamma lower, the others' moved by gamma toward balance, whatever the optimizer would
+    have done to the bias (weight decay, a zero gradient)."""
+    trainer = _trainer(**{"model.bias_update_speed": 0.01, "optim.weight_decay": 0.5})
+    state = trainer.init()
+    params = jax.device_get(state.params)
+    before = np.array(params["moe_layers"]["moe"]["router_bias"])
+    before[:, 0] = 10.0  # s + b: expert 0 (and its group) first for every token
+    params["moe_layers"]["moe"]["router_bias"] = before
+    state = state.replace(params=jax.device_put(params, trainer.state_shardings.params))
+    state, m = trainer.step(state, trainer.device_batch(_batch()))
+    load = np.asarray(m["expert_load"])
+    assert (load[:2, 0] == 0.5).all()  # every token's first pick in both MoE layers (4 x 1/8)
+    after = np.asarray(jax.device_get(state.params)["moe_layers"]["moe"]["router_bias"])
+    step = np.sign(load[:2] - load[:2].mean(axis=1, keepdims=True)) * 0.01
+    np.testing.assert_allclose(after, before - step, atol=1e-7)
+    assert (after[:, 0] < before[:, 0]).all()
+
+
+def test_router_bias_gets_no_gradient_and_update_formula():
+    from dsjax.model.moe import update_router_bias  # pylint: disable=import-outside-toplevel
+    load = jnp.array([[10.0, 2.0, 2.0, 2.0], [4.0, 4.0, 4.0, 4.0]])
+    new = update_router_bias(jnp.zeros((2, 4)), load, 0.001)
+    np.testing.assert_allclose(new, [[-0.001, 0.001, 0.001, 0.001], [0, 0, 0, 0]])
+    logits = jax.random.normal(jax.random.key(1), (16, 8))
+    grad = jax.grad(lambda b: route(logits, b, k=2, n_group=2, topk_group=1, scoring="sigmoid",
+                                    norm_topk_prob=True, scaling=2.5)[1].sum())(jnp.zeros(8))
+    assert not np.any(np.asarray(grad))
+
+
+def test_mtp_loss_is_present_weighted_and_dropped_at_eval():
+    from dsjax.train import loss_and_aux, loss_fn  # pylint: disable=import-outside-toplevel
+    trainer = _trainer(**{"model.aux_loss_alpha": 0.0})
+    state = trainer.init()
+    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+    with __import__("dsjax.sharding").sharding.activate(trainer.mesh, trainer.rules):
+        nll, _, aux = jax.jit(lambda p: loss_and_aux(p, state.apply_fn, batch))(state.params)
+        total, _ = jax.jit(lambda p: loss_fn(p, state.apply_fn, batch))(state.params)
+        logits = trainer.eval_model.apply({"params": state.params}, batch["inputs"],
+                                          batch["positions"], batch["segment_ids"])
+        _, sown = trainer.eval_model.apply({"params": state.params}, batch["inputs"],
+                                           batch["positions"], batch["segment_ids"],
+                                           mutable=["aux"])
+    mtp = np.asarray(aux["mtp_loss"])
+    assert mtp.shape == (1,) and abs(float(mtp[0]) - np.log(512)) < 0.5  # ~uniform at init
+    assert float(aux["aux_loss"]) == pytest.approx(0.3 * float(mtp[0]), rel=1e-6)
+    assert float(total) == pytest.approx(float(nll) + 0.3 * float(mtp[0]), rel=1e-6)
+    assert "mtp_loss" not in sown.get("aux", {})  # eval: no targets, MTP modules do not run
+    assert logits.shape == (8, 32, 512)
+
+
+def test_eval_shape_parameter_counts_match_the_published_totals():
+    """V2-Lite 15.7B; V3 671B, and 685B as released: + the MTP module, whose checkpoint layer
+    also stores its own embedding and output head (dsjax shares the main ones), + the fp8
+    release's float32 128x128 block scales of every fp8 matrix (all but embedding, head and
+    routers)."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+    from dsjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from dsjax.model.decoder import count_params  # pylint: disable=import-outside-toplevel
+
+    lite = config_lib.load(os.path.join(ROOT, "configs", "deepseek_v2_lite.py")).model
+    assert count_params(abstract_params(lite)) == 15_706_484_224
+    v3 = config_lib.load(os.path.join(ROOT, "configs", "deepseek_v3.py")).model
+    main = count_params(abstract_params(dataclasses.replace(v3, num_mtp_layers=0)))
+    assert main == 671_026_419_200
+    tree = nn.unbox(abstract_params(v3))
+    with_mtp = count_params(tree)
+    copies = 2 * v3.vocab_size * v3.hidden_size  # the MTP layer's embed_tokens, shared_head.head
+    scales = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [p.key for p in path]
+        if names[-1] in ("embedding", "lm_head", "router", "router_bias", "scale") or \
+                names[0].startswith("mtp_") and names[0] != "mtp_eh_proj":
+            continue
+        # dsjax [L?, E?, in, ...out] -> HF [out, in] blocks per layer/expert
+        lead = 1 + (names[0] in ("layers", "moe_layers", "mtp_layers")) + (
+            names[-1] in ("gate", "up", "down") and "moe" in names and "shared" not in names)
+        stack = int(np.prod(x.shape[:lead - 1]))
+        fan_in, out = x.shape[lead - 1], int(np.prod(x.shape[lead:]))
+        scales += stack * -(-fan_in // 128) * -(-out // 128)
+    assert round((with_mtp + copies) / 1e9, 1) == 684.5
+    assert round((with_mtp + copies + scales) / 1e9) == 685
+
+
+@pytest.mark.slow
+def test_tiny_moe_config_trains_with_falling_loss_and_logs_expert_load(tmp_path):
+    import json  # pylint: disable=import-outside-toplevel
+    from dsjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from dsjax import train  # pylint: disable=import-outside-toplevel
+
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {
+        "data.seq_len": 64, "data.global_batch": 8, "data.eval_batches": 1,
+        "train.steps": 40, "train.log_every": 10, "train.sample_tokens": 2,
+        "optim.warmup_steps": 5, "checkpoint.every": 0, "metrics.tensorboard": False,
+        "metrics.profile_every": 0, "data.path": str(tmp_path / "data")})
+    train.run(cfg, str(tmp_path / "run"))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if '"loss"' in line]
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 1.0, losses  # from ~6.2 nats: byte statistics alone give > 1
+    load = np.asarray(records[-1]["expert_load"])
+    assert load.shape == (4, 8)  # 3 MoE layers + the MTP block, 8 experts each
+    np.testing.assert_allclose(load.sum(axis=1), 1.0, atol=1e-3)
+    assert "mtp_loss" in records[-1] and "aux_loss" in records[-1]

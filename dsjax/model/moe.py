@@ -175,9 +175,10 @@ class MoE(nn.Module):
         router_DE = _param(self, "router", (D, E), ("embed", None), std)
         bias_E = (self.param(BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                              (E,), jnp.float32) if self.scoring == "sigmoid" else None)
-        w_gate = _param(self, "gate", (E, D, F), ("expert", "embed", "mlp"), std)
-        w_up = _param(self, "up", (E, D, F), ("expert", "embed", "mlp"), std)
-        w_down = _param(self, "down", (E, F, D), ("expert", "mlp", "embed"), std)
+        # D unnamed: with mesh.fsdp "embed" is on `data` too, which "expert" already uses.
+        w_gate = _param(self, "gate", (E, D, F), ("expert", None, "mlp"), std)
+        w_up = _param(self, "up", (E, D, F), ("expert", None, "mlp"), std)
+        w_down = _param(self, "down", (E, F, D), ("expert", "mlp", None), std)
 
         logits_BSE = jnp.einsum("BSD,DE->BSE", x_BSD.astype(jnp.float32), router_DE,
                                 precision=lax.Precision.HIGHEST)
@@ -194,6 +195,10 @@ class MoE(nn.Module):
         # The mesh axis experts are sharded over, from the current logical rules (only
         # dsjax.sharding knows mesh axis names); None outside a mesh: all experts local.
         expert_axis = nn.logical_to_mesh_axes(("expert",))[0] if self.expert_parallel else None
+        mesh = jax.sharding.get_abstract_mesh()
+        if expert_axis is not None and (mesh.empty or B % mesh.shape[expert_axis]
+                                        or self.is_initializing()):
+            expert_axis = None  # no mesh, a batch (init's dummy) that does not split: all local
         if expert_axis is None:
             routed_BSD = self._dense(x, experts_BSK, weights_BSK, w_gate, w_up, w_down)
         else:
@@ -251,3 +256,44 @@ class MoE(nn.Module):
             return jax.shard_map(local, in_specs=(spec,) * 6, out_specs=spec, axis_names={axis},
                                  check_vma=False)(x_BSD, experts_BSK, weights_BSK, w_gate, w_up,
                                                   w_down)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-step hooks (dsjax.train): the bias update and the logged loads.
+
+BIAS_STACKS = ("moe_layers", "mtp_layers")  # stacks whose MoE routers may carry a bias, in the
+                                            # row order of the model's "moe_load"
+
+
+def with_updated_router_bias(new_params: Any, old_params: Any, load_LE: jax.Array,
+                             gamma: float) -> Any:
+    """`new_params` with every router bias moved from its *old* value by `update_router_bias`
+    (the optimizer's update of it, weight decay included, is discarded: no gradient reaches it).
+    `load_LE`: the step's assignment counts, rows in the order of `BIAS_STACKS`' layers."""
+    out, row = dict(new_params), 0
+    for stack in BIAS_STACKS:
+        if stack not in old_params or "moe" not in old_params[stack]:
+            continue
+        old = old_params[stack]["moe"]
+        n = next(iter(jax.tree.leaves(old))).shape[0]
+        if BIAS in old:
+            bias = update_router_bias(old[BIAS], load_LE[row:row + n], gamma)
+            out[stack] = {**new_params[stack], "moe": {**new_params[stack]["moe"], BIAS: bias}}
+        row += n
+    return out
+
+
+def load_metrics(aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-step metrics of a MoE/MTP model's auxiliary terms ({} for a dense model):
+    expert_load [MoE layers, E] as each expert's share of the layer's assignments (1/E each when
+    balanced), its max over experts and layers, the weighted aux loss and MTP losses."""
+    out = {}
+    if "moe_load" in aux:
+        load_LE = aux["moe_load"]
+        share_LE = load_LE / jnp.maximum(jnp.sum(load_LE, axis=-1, keepdims=True), 1.0)
+        out["expert_load"] = share_LE
+        out["expert_load_max"] = jnp.max(share_LE) * load_LE.shape[-1]  # 1 = perfectly even
+    for key in ("aux_loss", "mtp_loss"):
+        if key in aux:
+            out[key] = aux[key]
+    return out
