@@ -373,15 +373,39 @@ def test_tiny_moe_config_trains_with_falling_loss_and_logs_expert_load(tmp_path)
 
     cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {
         "data.seq_len": 64, "data.global_batch": 8, "data.eval_batches": 1,
-        "train.steps": 40, "train.log_every": 10, "train.sample_tokens": 2,
+        "train.steps": 40, "train.log_every": 5, "train.sample_tokens": 2,
         "optim.warmup_steps": 5, "checkpoint.every": 0, "metrics.tensorboard": False,
         "metrics.profile_every": 0, "data.path": str(tmp_path / "data")})
     train.run(cfg, str(tmp_path / "run"))
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f if '"loss"' in line]
     losses = [r["loss"] for r in records]
-    assert losses[-1] < losses[0] - 1.0, losses  # from ~6.2 nats: byte statistics alone give > 1
+    # ln(512) = 6.2 nats at init; measured 3.35 at step 10 and 2.67 at step 40.
+    assert losses[-1] < min(losses[0] - 0.5, 3.0), losses
     load = np.asarray(records[-1]["expert_load"])
     assert load.shape == (4, 8)  # 3 MoE layers + the MTP block, 8 experts each
     np.testing.assert_allclose(load.sum(axis=1), 1.0, atol=1e-3)
     assert "mtp_loss" in records[-1] and "aux_loss" in records[-1]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"model.attention": "gqa"}, "model.attention"),
+    ({"model.qk_rope_head_dim": 7}, "model.qk_rope_head_dim"),
+    ({"model.num_kv_heads": 2}, "model.num_kv_heads"),
+    ({"model.rope_scaling": "ntk"}, "model.rope_scaling"),
+    ({"model.rope_scaling": "yarn"}, "model.rope_original_max_len"),
+    ({"model.scoring": "relu"}, "model.scoring"),
+    ({"model.num_experts_per_tok": 9}, "model.num_experts_per_tok"),
+    ({"model.n_group": 3}, "model.n_group"),
+    ({"model.topk_group": 3}, "model.topk_group"),
+    ({"model.first_k_dense_replace": 5}, "model.first_k_dense_replace"),
+    ({"model.capacity_factor": -1.0}, "model.capacity_factor"),
+    ({"model.n_routed_experts": 6, "model.n_group": 1}, "model.n_routed_experts"),  # 6 over data 4
+    ({"optim.name": "onebit_adam", "optim.freeze_step": 1}, "model.n_routed_experts"),
+    ({"model.n_routed_experts": 0}, "model.expert_parallel"),
+])
+def test_invalid_moe_and_mla_values_name_the_field(overrides, field):
+    from dsjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {**MOE_FLAGS, **overrides})
+    assert str(err.value).startswith(field), str(err.value)
