@@ -13,14 +13,26 @@ items, so a reader can take only what it needs:
 (`checkpoint.init_from`) but is not resumed as one.
 Restoring takes abstract arrays carrying the *target* shardings, so a checkpoint written on one
 mesh restores onto another.
+
+Crash safety (docs/reliability.md): Orbax writes a step into `N.orbax-checkpoint-tmp` and renames it
+to `N` when complete, so a process killed mid-save leaves only a temporary directory, which is
+reported and removed. Once a step is complete, dsjax *seals* it: `dsjax_manifest.json` records the
+size and CRC-32 of every file. Before a sealed step is restored its files are checked against the
+manifest, so a truncated or altered file is reported by step and path instead of restoring wrong
+values (Orbax itself notices truncation but not altered bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
-from typing import Any
+import shutil
+import threading
+import time
+import zlib
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +41,70 @@ import orbax.checkpoint as ocp
 from dsjax.config import ModelConfig
 
 ITEMS = ("params", "train", "errors", "data", "meta")
+MANIFEST = "dsjax_manifest.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step that is still being written
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incompatible or corrupt; the message names it."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A complete checkpoint's files are damaged (truncated, altered, missing)."""
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(step_dir: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names if n != MANIFEST]
+    return sorted(out)
+
+
+def seal(step_dir: str) -> None:
+    """Writes the manifest (size and CRC-32 of every file) of a complete step, atomically."""
+    files = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc32(os.path.join(step_dir, rel))]
+             for rel in _files(step_dir)}
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"format": "crc32-v1", "files": files}, f)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify(step_dir: str) -> str | None:
+    """None if the step matches its manifest (or has none: sealed steps only are checked), else
+    what is wrong, naming the file."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"its manifest {path} is unreadable ({e})"
+    for rel, (size, crc) in sorted(files.items()):
+        full = os.path.join(step_dir, rel)
+        if not os.path.isfile(full):
+            return f"{full} is missing"
+        if os.path.getsize(full) != size:
+            return f"{full} has {os.path.getsize(full)} bytes, {size} were written"
+        if _crc32(full) != crc:
+            return f"{full} does not match the checksum written when it was saved"
+    return None
+
+
+def incomplete_entries(directory: str) -> list[str]:
+    """Step directories a killed save left behind (Orbax ignores them when listing steps)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if TMP_SUFFIX in n)
 
 
 def _abstract(tree: Any) -> Any:
@@ -62,6 +134,14 @@ def check_model(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
                   "head_dim")
     diffs = [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
              for k in shape_keys if saved.get(k) != want[k]]
+    # MLA/MoE/MTP shape fields; checkpoints written before they existed hold the defaults (off).
+    defaults = dataclasses.asdict(ModelConfig(1, 1, 1, 1, 1, 1))
+    diffs += [f"model.{k}: checkpoint has {saved.get(k, defaults[k])!r}, config has {want[k]!r}"
+              for k in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                        "moe_intermediate_size", "first_k_dense_replace", "scoring",
+                        "num_mtp_layers")
+              if saved.get(k, defaults[k]) != want[k]]
     # Not shapes, but restoring under another value silently computes a different model.
     diffs += [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
               for k in ("rope_theta", "norm_eps")
@@ -71,16 +151,92 @@ def check_model(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
 
 
 class Checkpointer:
-    """Thin wrapper over `ocp.CheckpointManager` with dsjax's items."""
+    """Thin wrapper over `ocp.CheckpointManager` with dsjax's items, sealing and verification.
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    `log`: where warnings go (incomplete saves found, corrupt steps set aside)."""
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True,
+                 log: Callable[[str], None] = print):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.log = log
+        for path in incomplete_entries(self.directory):
+            log(f"warning: ignoring {path}: a checkpoint save that never finished (the process "
+                "was killed while writing it); it is removed, earlier checkpoints are intact")
+        try:
+            options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                   enable_async_checkpointing=async_save,
+                                                   cleanup_tmp_directories=True)
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {e}"
+                                  ) from e
+        self._unsealed: int | None = None  # the step saved last, sealed once its save completes
+        self._sealer: threading.Thread | None = None
+        self._seal_error: BaseException | None = None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _finish_pending(self, background: bool) -> None:
+        """Waits for the last save (its failure is a CheckpointError naming it), then seals it."""
+        step = self._unsealed
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # Orbax re-raises the writer thread's error; name step and cause
+            raise CheckpointError(f"could not write checkpoint step {step} to {self.directory}: "
+                                  f"{type(e).__name__}: {e} (disk full or not writable?). "
+                                  "Earlier checkpoints are intact.") from e
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
+        if self._seal_error is not None:
+            raise CheckpointError(f"could not seal a checkpoint in {self.directory}: "
+                                  f"{self._seal_error}")
+        self._unsealed = None
+        if step is None or jax.process_index() != 0 or not os.path.isdir(self._step_dir(step)):
+            return
+
+        def work():
+            try:
+                seal(self._step_dir(step))
+            except OSError as e:
+                self._seal_error = e
+        if background:  # CRC of a 7B model's state is ~a minute of reading: overlap it
+            self._sealer = threading.Thread(target=work, name=f"seal-{step}", daemon=True)
+            self._sealer.start()
+        else:
+            work()
+
+    def usable_step(self, allow_fallback: bool = False) -> int | None:
+        """The newest complete step whose files match its manifest. A damaged newest step is an
+        error unless `allow_fallback`, which moves it aside (not deleted) and tries the previous."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            problem = verify(self._step_dir(step))
+            if problem is None:
+                return step
+            self.reject(step, problem, allow_fallback)
+        return None
+
+    def reject(self, step: int, problem: str, allow_fallback: bool) -> None:
+        """Handles a damaged step: raises CheckpointCorrupt, or with `allow_fallback` moves it to
+        `<directory>.corrupt/` so the run continues from the previous step."""
+        older = [s for s in self.manager.all_steps() if s < step]
+        if not allow_fallback:
+            hint = (f"pass --allow_fallback to resume from step {max(older)}, the previous "
+                    "complete checkpoint" if older else "no earlier checkpoint exists")
+            raise CheckpointCorrupt(
+                f"checkpoint step {step} in {self.directory} is corrupt: {problem}. Stopping so "
+                f"nothing is trained from a wrong state; {hint}, or restore the file from a "
+                "backup.")
+        aside = os.path.join(self.directory + ".corrupt", f"{step}-{int(time.time())}")
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        shutil.move(self._step_dir(step), aside)
+        self.manager.reload()
+        self.log(f"warning: checkpoint step {step} is corrupt ({problem}); moved it to {aside} "
+                 f"and falling back to {'step ' + str(max(older)) if older else 'a fresh start'}")
 
     def save(self, step: int, params: Any, train: Any, data_state: dict | None,
              model: ModelConfig, errors: Any = None, errors_layout: dict | None = None) -> None:
@@ -96,10 +252,22 @@ class Checkpointer:
             items["errors"] = ocp.args.StandardSave(errors)
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._finish_pending(background=True)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # synchronous part of the save (directory creation, first writes)
+            raise CheckpointError(f"could not write checkpoint step {step} to {self.directory}: "
+                                  f"{type(e).__name__}: {e} (disk full or not writable?). "
+                                  "Earlier checkpoints are intact.") from e
+        self._unsealed = step
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))
+        except Exception as e:  # pylint: disable=broad-except
+            raise CheckpointCorrupt(f"checkpoint step {step} in {self.directory}: its metadata "
+                                    f"is unreadable ({type(e).__name__}: {e})") from e
         return restored["meta"]
 
     def restore(self, step: int, params: Any, train: Any, model: ModelConfig
@@ -119,7 +287,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
-            raise CheckpointError(f"could not restore {where}: {type(e).__name__}: {e}") from e
+            raise CheckpointCorrupt(f"could not restore {where}: {type(e).__name__}: {e}") from e
         return restored["params"], restored["train"], restored.get("data") if has_data else None
 
     def restore_errors(self, step: int, errors: Any, layout: dict
@@ -147,16 +315,21 @@ class Checkpointer:
         return restored["errors"], None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Blocks until the last save is complete and sealed."""
+        self._finish_pending(background=False)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self._finish_pending(background=False)
+        finally:
+            self.manager.close()
 
 
-def restore_params(directory: str, params: Any, model: ModelConfig) -> Any:
+def restore_params(directory: str, params: Any, model: ModelConfig, allow_fallback: bool = False,
+                   log: Callable[[str], None] = print) -> Any:
     """Loads only the weights of the latest step under `directory` (a run's `checkpoints/` dir,
-    a run workdir, or a converted checkpoint), onto the shardings of `params`."""
+    a run workdir, or a converted checkpoint), onto the shardings of `params`. A damaged step
+    is an error, or with `allow_fallback` skipped (left in place) for the previous one."""
     for candidate in (directory, os.path.join(directory, "checkpoints")):
         if os.path.isdir(candidate) and ocp.CheckpointManager(candidate).latest_step() is not None:
             directory = candidate
@@ -164,16 +337,30 @@ def restore_params(directory: str, params: Any, model: ModelConfig) -> Any:
     else:
         raise CheckpointError(f"no checkpoint found in {directory!r}")
     manager = ocp.CheckpointManager(directory)
-    step = manager.latest_step()
-    where = f"checkpoint step {step} in {directory}"
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    check_model(meta, model, where)
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params))))
-    except Exception as e:
-        raise CheckpointError(f"could not restore params of {where}: {type(e).__name__}: {e}") from e
-    return restored["params"]
+    steps = sorted(manager.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+        where = f"checkpoint step {step} in {directory}"
+        problem = verify(os.path.join(directory, str(step)))
+        if problem is None:
+            try:
+                meta = manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"]
+            except Exception as e:  # pylint: disable=broad-except
+                problem = f"its metadata is unreadable ({type(e).__name__}: {e})"
+        if problem is None:
+            check_model(meta, model, where)
+            try:
+                return manager.restore(step, args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(_abstract(params))))["params"]
+            except Exception as e:  # pylint: disable=broad-except
+                problem = f"{type(e).__name__}: {e}"
+        older = steps[i + 1:]
+        if not allow_fallback:
+            hint = (f"pass --allow_fallback to use step {older[0]}" if older else
+                    "no earlier checkpoint exists")
+            raise CheckpointCorrupt(f"{where} is corrupt: {problem}; {hint}")
+        log(f"warning: {where} is corrupt ({problem}); trying the previous one")
+    raise CheckpointCorrupt(f"no intact checkpoint in {directory}")
 
 
 def save_params(directory: str, params: Any, model: ModelConfig, step: int = 0) -> None:
@@ -185,3 +372,5 @@ def save_params(directory: str, params: Any, model: ModelConfig, step: int = 0) 
                  force=True)
     manager.wait_until_finished()
     manager.close()
+    if jax.process_index() == 0:
+        seal(os.path.join(os.path.abspath(directory), str(step)))

@@ -148,11 +148,13 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
     return results
 
 
-def run(cfg: Config, workdir: str) -> dict[str, Any]:
-    """`--mode eval`: restores the latest checkpoint in `workdir` (onto this config's mesh)."""
+def run(cfg: Config, workdir: str, allow_fallback: bool = False) -> dict[str, Any]:
+    """`--mode eval`: restores the latest intact checkpoint in `workdir` (onto this config's
+    mesh); a corrupt one is an error unless `allow_fallback` (then the previous one is used)."""
     from dsjax.train import abstract_state, build_trainer
 
     trainer = build_trainer(cfg)
-    params = ckpt.restore_params(workdir, abstract_state(trainer).params, cfg.model)
+    params = ckpt.restore_params(workdir, abstract_state(trainer).params, cfg.model,
+                                 allow_fallback=allow_fallback, log=mx.log)
     splits = data_splits(cfg, workdir)
     return evaluate_and_report(trainer, params, splits, cfg, workdir)

@@ -187,6 +187,44 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# Newer XLA prints GSPMD's groups as mesh axes: replica_groups=mesh['axis_0'=4,'axis_2'=2]
+# {'axis_0'}, device ids row-major over the axes unless `device_ids=([4,2]T(1,0))` (an iota
+# reshaped and transposed) says otherwise; a group varies over the braced axes.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+                          r"(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?)\))?"
+                          r"\s*\{(?P<over>[^}]*)\}")
+_IOTA_IDS = re.compile(r"\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?$")
+
+
+def _listed_groups(m: re.Match) -> str:
+    """A mesh-axes replica group list rewritten as the explicit `{{0,2,...},...}` form that
+    `metrics.hlo_collectives` reads; forms not understood (sub-axes) fail loudly."""
+    sizes = {}
+    for item in m["axes"].split(","):
+        name, _, size = item.partition("=")
+        sizes[name.strip().strip("'")] = int(size)
+    over = [a.strip().strip("'") for a in m["over"].split(",") if a.strip()]
+    if any(a not in sizes for a in over):
+        raise ValueError(f"unsupported replica groups: {m[0]}")
+    count = math.prod(sizes.values())
+    ids = np.arange(count)
+    if m["ids"]:
+        iota = _IOTA_IDS.match(m["ids"].strip())
+        if iota:
+            ids = ids.reshape([int(d) for d in iota["dims"].split(",")])
+            if iota["perm"]:
+                ids = ids.transpose([int(p) for p in iota["perm"].split(",")])
+        elif re.fullmatch(r"[\d,\s]+", m["ids"]):
+            ids = np.array([int(d) for d in m["ids"].split(",")])
+        else:
+            raise ValueError(f"unsupported replica groups: {m[0]}")
+    ids = ids.reshape(tuple(sizes.values()))
+    names = list(sizes)
+    rest = [names.index(a) for a in names if a not in over]
+    ids = ids.transpose(rest + [names.index(a) for a in over])
+    groups = ids.reshape(-1, math.prod(sizes[a] for a in over)).tolist()
+    return "replica_groups={" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +265,7 @@ def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
     one group of all `num_devices`; a group that cannot be read fails loudly rather than being
     counted as free."""
     out = []
-    for line in hlo.splitlines():
+    for line in _MESH_GROUPS.sub(_listed_groups, hlo).splitlines():
         m = _COLLECTIVE.search(line)
         if not m:
             continue
@@ -246,7 +284,8 @@ def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
                 ids = ids.transpose([int(p) for p in iota[4].split(",")])
             groups = tuple(map(tuple, ids.reshape(int(iota[1]), int(iota[2])).tolist()))
         else:
-            raise ValueError(f"unreadable replica groups: {line.strip()[:200]}")
+            raise ValueError(f"unreadable replica groups: {line.strip()[:120]} ... "
+                             f"{rest[rest.find('replica_groups'):][:160]}")
         if not groups or not groups[0]:
             raise ValueError(f"empty replica groups: {line.strip()[:200]}")
         out.append(Collective(m["op"], nbytes, groups))

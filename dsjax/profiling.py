@@ -176,48 +176,9 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None) -> dict[str,
         m = re.search(r"num_partitions=(\d+)", hlo_text)
         num_devices = int(m[1]) if m else 1
     out: dict[str, float] = collections.defaultdict(float)
-    for c in mx.hlo_collectives(_MESH_GROUPS.sub(_listed_groups, hlo_text), num_devices):
+    for c in mx.hlo_collectives(hlo_text, num_devices):
         out[c.op] += c.sent_bytes()
     return dict(sorted(out.items()))
-
-
-# Newer XLA prints GSPMD's groups as mesh axes: replica_groups=mesh['axis_0'=4,'axis_2'=2]
-# {'axis_0'}, device ids row-major over the axes unless `device_ids=([4,2]T(1,0))` (an iota
-# reshaped and transposed) says otherwise; a group varies over the braced axes.
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
-                          r"(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?)\))?"
-                          r"\s*\{(?P<over>[^}]*)\}")
-_IOTA_IDS = re.compile(r"\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?$")
-
-
-def _listed_groups(m: re.Match) -> str:
-    """A mesh-axes replica group list rewritten as the explicit `{{0,2,...},...}` form that
-    `metrics.hlo_collectives` reads; forms not understood (sub-axes) fail loudly."""
-    sizes = {}
-    for item in m["axes"].split(","):
-        name, _, size = item.partition("=")
-        sizes[name.strip().strip("'")] = int(size)
-    over = [a.strip().strip("'") for a in m["over"].split(",") if a.strip()]
-    if any(a not in sizes for a in over):
-        raise ValueError(f"unsupported replica groups: {m[0]}")
-    count = math.prod(sizes.values())
-    ids = np.arange(count)
-    if m["ids"]:
-        iota = _IOTA_IDS.match(m["ids"].strip())
-        if iota:
-            ids = ids.reshape([int(d) for d in iota["dims"].split(",")])
-            if iota["perm"]:
-                ids = ids.transpose([int(p) for p in iota["perm"].split(",")])
-        elif re.fullmatch(r"[\d,\s]+", m["ids"]):
-            ids = np.array([int(d) for d in m["ids"].split(",")])
-        else:
-            raise ValueError(f"unsupported replica groups: {m[0]}")
-    ids = ids.reshape(tuple(sizes.values()))
-    names = list(sizes)
-    rest = [names.index(a) for a in names if a not in over]
-    ids = ids.transpose(rest + [names.index(a) for a in over])
-    groups = ids.reshape(-1, math.prod(sizes[a] for a in over)).tolist()
-    return "replica_groups={" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
 
 
 # ---------------------------------------------------------------------------------------------

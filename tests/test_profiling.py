@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dsjax import metrics as mx
 from dsjax import profiling
 
 W = 8  # simulated devices (tests/conftest.py)
@@ -206,6 +207,6 @@ def test_collective_bytes_reads_mesh_axes_replica_groups():
     # Groups of 4 (data) and of 2 (tensor): 2 (W-1)/W x 1 KiB each.
     assert profiling.collective_bytes("\n".join(lines)) == {
         "all-reduce": 2 * 3 / 4 * 1024 + 2 * 1 / 2 * 1024}
-    rewritten = profiling._MESH_GROUPS.sub(profiling._listed_groups, lines[1] + lines[2])
+    rewritten = mx._MESH_GROUPS.sub(mx._listed_groups, lines[1] + lines[2])
     assert "replica_groups={{0,2,4,6},{1,3,5,7}}" in rewritten
     assert "replica_groups={{0,1},{2,3},{4,5},{6,7}}" in rewritten

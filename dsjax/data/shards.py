@@ -184,8 +184,9 @@ class PackedSource:
             try:
                 tokens = np.load(tokens_path, mmap_mode="r")
                 starts = np.load(starts_path)
-            except (ValueError, OSError) as e:
-                raise DataError(f"{tokens_path}: cannot read shard ({e})") from None
+            except (ValueError, OSError, EOFError) as e:  # EOFError: an empty (0-byte) file
+                raise DataError(f"{tokens_path}: cannot read shard ({e or type(e).__name__})"
+                                ) from None
             if validate:
                 self._check_shard(tokens_path, tokens, starts_path, starts, shard, dtype)
             self._tokens.append(tokens)

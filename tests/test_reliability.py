@@ -1,0 +1,248 @@
+"""Reliability (docs/reliability.md), driven through real `launch.py` processes: preemption by
+signal and by time budget, kill -9 in the middle of a checkpoint save, corrupted checkpoints, and
+exact resume, each compared with one uninterrupted run of the same config."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY_FLAGS, run_launch
+from dsjax import checkpoint as ckpt
+
+STEPS = 24
+# Pinned mesh: the comparisons below are bit-for-bit, which holds on one mesh and one CPU.
+FLAGS = {"train.steps": STEPS, "checkpoint.every": 4, "metrics.profile_every": 0,
+         "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1, "train.eval_every": 0,
+         "train.sample_tokens": 0, "metrics.tensorboard": False}
+
+
+def _records(workdir):
+    """{step: loss}; a step run twice (before a crash and after the resume) keeps its last."""
+    out = {}
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if "loss" in r:
+                out[r["step"]] = r["loss"]
+    return out
+
+
+def _start(workdir, overrides=None, extra=(), stderr=subprocess.PIPE):
+    flags = {**TINY_FLAGS, **FLAGS, **(overrides or {})}
+    cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--workdir={workdir}"]
+    cmd += [f"--config.{k}={v}" for k, v in flags.items()] + list(extra)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True)
+
+
+def _wait_for(predicate, proc, timeout=600):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early (rc {proc.returncode}): "
+                                 f"{proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.002)
+
+
+def _logged_steps(workdir):
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+def _complete_steps(workdir):
+    d = os.path.join(workdir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce."""
+    workdir = str(tmp_path_factory.mktemp("reference") / "run")
+    proc = run_launch(workdir, FLAGS, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _records(workdir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return workdir, losses
+
+
+def test_time_budget_then_sigterm_then_resume_reproduces_the_run(reference, tmp_path):
+    _, want = reference
+    workdir = str(tmp_path / "run")
+    # 1. A 1-second budget: the first step (compilation) already uses it up.
+    proc = _start(workdir, extra=["--max_runtime=1s"])
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped early at step" in out and "max_runtime 1s reached" in out, out[-2000:]
+    stopped_at = _complete_steps(workdir)[-1]
+    assert 1 <= stopped_at < STEPS
+    # 2. Resume; SIGTERM after a few more steps: the step in flight finishes, then a checkpoint.
+    proc = _start(workdir)
+    _wait_for(lambda: _logged_steps(workdir) >= stopped_at + 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in err and "stopped early at step" in out, (out[-1500:], err[-1500:])
+    second_stop = _complete_steps(workdir)[-1]
+    assert stopped_at < second_stop < STEPS
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+        assert json.load(f)["steps_done"] == second_stop
+    # 3. Resume to the end: every step's loss equals the uninterrupted run's, bit for bit.
+    proc = run_launch(workdir, FLAGS, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from step {second_stop}" in proc.stdout
+    assert _records(workdir) == want
+
+
+def test_second_signal_exits_at_once_and_the_last_checkpoint_survives(reference, tmp_path):
+    _, want = reference
+    workdir = str(tmp_path / "run")
+    err_path = str(tmp_path / "stderr.txt")
+    with open(err_path, "w", encoding="utf-8") as err_file:
+        proc = _start(workdir, stderr=err_file)
+        _wait_for(lambda: len(_complete_steps(workdir)) >= 1 and _logged_steps(workdir) >= 6,
+                  proc)
+        proc.send_signal(signal.SIGTERM)
+        # Signals that arrive together are delivered once: the second goes once the first is
+        # handled (the trainer is then finishing its step, with a checkpoint to write).
+        _wait_for(lambda: "SIGTERM received" in open(err_path, encoding="utf-8").read(), proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=900)
+    err = open(err_path, encoding="utf-8").read()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "second signal (SIGTERM): exiting now" in err
+    steps = _complete_steps(workdir)
+    assert steps and all(ckpt.verify(os.path.join(workdir, "checkpoints", str(s))) is None
+                         for s in steps)
+    proc = run_launch(workdir, FLAGS, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _records(workdir) == want
+
+
+def test_kill_9_during_a_checkpoint_save_resumes_from_the_last_complete_one(reference, tmp_path):
+    _, want = reference
+    workdir = str(tmp_path / "run")
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+
+    def saving():  # a step directory is being written (after at least two complete ones)
+        names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+        return (sum(n.isdigit() for n in names) >= 2
+                and any(ckpt.TMP_SUFFIX in n for n in names))
+
+    proc = _start(workdir, {"checkpoint.every": 1})
+    _wait_for(saving, proc)
+    proc.kill()  # SIGKILL: no handler, no cleanup
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    left = [n for n in os.listdir(ckpt_dir) if ckpt.TMP_SUFFIX in n]
+    assert left, "the kill was meant to land mid-save"
+    last = _complete_steps(workdir)[-1]
+    proc = run_launch(workdir, FLAGS, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a checkpoint save that never finished" in proc.stdout, proc.stdout[-2000:]
+    assert f"resumed from step {last}" in proc.stdout
+    assert not [n for n in os.listdir(ckpt_dir) if ckpt.TMP_SUFFIX in n]
+    assert _records(workdir) == want
+
+
+def _tamper(step_dir, how):
+    files = [os.path.join(r, n) for r, _, names in os.walk(step_dir) for n in names
+             if n != ckpt.MANIFEST and "params" in r]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        if how == "truncate":
+            f.truncate(os.path.getsize(target) // 2)
+        else:  # flip one byte in the middle: same size, different values
+            f.seek(os.path.getsize(target) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return target
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_corrupt_checkpoint_stops_unless_fallback_is_allowed(reference, tmp_path, how):
+    ref_dir, want = reference
+    workdir = str(tmp_path / "run")
+    shutil.copytree(ref_dir, workdir)
+    last = _complete_steps(workdir)[-1]
+    assert last == STEPS
+    # Damage the newest checkpoint of the finished run: eval and resume refuse it; with
+    # --allow_fallback the run retrains the last 4 steps from the previous checkpoint.
+    target = _tamper(os.path.join(workdir, "checkpoints", str(last)), how)
+    proc = run_launch(workdir, FLAGS, mode="eval")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"checkpoint step {last}" in proc.stderr and target in proc.stderr, proc.stderr
+    assert f"--allow_fallback to use step {last - 4}" in proc.stderr
+    if how == "truncate":  # the training path is the same for both kinds of damage
+        return
+    proc = run_launch(workdir, FLAGS)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"checkpoint step {last}" in proc.stderr and "is corrupt" in proc.stderr
+    assert target in proc.stderr and "--allow_fallback" in proc.stderr
+    assert _complete_steps(workdir)[-1] == last  # nothing moved or deleted without the flag
+    proc = _start(workdir, extra=["--allow_fallback"])
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"resumed from step {last - 4}" in out, out[-2000:]
+    moved = os.listdir(os.path.join(workdir, "checkpoints.corrupt"))
+    assert [m.split("-")[0] for m in moved] == [str(last)]  # set aside, not deleted
+    assert _records(workdir) == want  # the re-run steps reproduce the reference exactly
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 1, 1)])
+def test_checkpoint_of_one_mesh_restores_evaluates_and_trains_on_another(tmp_path, shape):
+    import jax
+    import numpy as np
+
+    from conftest import random_batch
+    from dsjax import config as config_lib
+    from dsjax import sharding
+    from dsjax.train import build_trainer, train_extras, with_restored
+
+    def trainer_on(data, tensor, pipeline):
+        cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), {
+            **TINY_FLAGS, "mesh.data": data, "mesh.tensor": tensor, "mesh.pipeline": pipeline,
+            "pipeline.microbatches": 2 if pipeline > 1 else 1})
+        n = data * tensor * pipeline
+        return build_trainer(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:n]))
+
+    rng = np.random.default_rng(7)
+    batches = [random_batch(rng, 8, 32) for _ in range(2)]
+    source = trainer_on(4, 2, 1)
+    state = source.init()
+    state, _ = source.step(state, source.device_batch(batches[0]))
+    saver = ckpt.Checkpointer(str(tmp_path / "ck"), async_save=True)
+    saver.save(1, state.params, train_extras(state), None, source.cfg.model)
+    saver.close()
+    saved, step = jax.device_get(state.params), int(state.step)
+    _, want = source.step(state, source.device_batch(batches[1]))  # donates `state`
+
+    target = trainer_on(*shape)
+    fresh = target.init(seed=123)  # different values: restoring must overwrite all of them
+    reader = ckpt.Checkpointer(str(tmp_path / "ck"))
+    params, extras, _ = reader.restore(reader.usable_step(), fresh.params, train_extras(fresh),
+                                       target.cfg.model)
+    reader.close()
+    restored = with_restored(fresh, extras, None).replace(params=params,
+                                                          step=jax.numpy.asarray(step))
+    for got, ref, leaf in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(saved),
+                              jax.tree.leaves(params)):
+        np.testing.assert_array_equal(got, ref)  # values identical; only the layout changed
+        assert leaf.sharding.mesh.devices.shape == shape
+    _, got = target.step(restored, target.device_batch(batches[1]))
+    # Another mesh reduces in another order: float32 rounding, not bit equality.
+    assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)
+    assert float(got["grad_norm"]) == pytest.approx(float(want["grad_norm"]), rel=1e-4)
