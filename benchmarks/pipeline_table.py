@@ -1,0 +1,133 @@
+"""Pipeline schedules side by side: temp memory per device, collective-permutes and bubble,
+compiled, never run.
+
+  python benchmarks/pipeline_table.py --config configs/cpu_tiny.py --out benchmarks/results/pipeline_cpu_tiny.json
+
+For the config's mesh (mesh.pipeline > 1; `--pipeline` overrides, taking devices from
+mesh.data) compiles the loss and gradient of the training step (`train.loss_fn` under
+`jax.value_and_grad`, with the step's shardings: what the schedule changes; the optimizer update
+adds the same to every row) for every schedule and microbatch count, and reads
+`memory_analysis().temp_size_in_bytes` and the collective-permute instructions of the compiled
+HLO (static count: one in a loop body counts once). `--rows_per_microbatch N` fixes the
+microbatch size (global batch = M * N) to show how memory grows with M; by default the global
+batch stays the config's. Bubble is the schedule's analytic idle share (dsjax/pipeline.py).
+Prints a table; writes {"config": str, "rows": [{"schedule", "microbatches", "repeats",
+"temp_bytes", "collective_permutes", "bubble", ...}]}.
+"""
+
+import argparse
+import ast
+import dataclasses
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
+from dsjax import config as config_lib  # noqa: E402
+from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+
+# The opcode, sync or async start (whose result type is a tuple), never its -done.
+_PERMUTE = re.compile(r"\scollective-permute(-start)?\(")
+
+
+def _with(cfg, schedule, microbatches, repeats, global_batch):
+    return dataclasses.replace(
+        cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule,
+                                          microbatches=microbatches, repeats=repeats),
+        data=dataclasses.replace(cfg.data, global_batch=global_batch))
+
+
+def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
+            rows_per_microbatch: int = 0) -> dict:
+    """One row: compile loss + gradient of `cfg` under `schedule` on all devices."""
+    import jax  # pylint: disable=g-import-not-at-top
+    from dsjax import pipeline, sharding, train  # pylint: disable=g-import-not-at-top
+
+    batch = rows_per_microbatch * microbatches or cfg.data.global_batch
+    cfg = _with(cfg, schedule, microbatches, repeats, batch)
+    config_lib.validate(cfg)
+    trainer = train.build_trainer(cfg)
+    state = train.abstract_state(trainer)
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: train.loss_fn(p, state.apply_fn, b)[0]))
+    t0 = time.perf_counter()
+    with sharding.activate(trainer.mesh, trainer.rules):
+        compiled = grad_fn.lower(state.params, train.abstract_batch(trainer)).compile()
+    hlo = compiled.as_text()
+    return {"schedule": schedule, "microbatches": microbatches,
+            "repeats": repeats if schedule == "circular" else 1,
+            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+            "collective_permutes": len(_PERMUTE.findall(hlo)),
+            "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
+                                               repeats),
+            "global_batch": batch,
+            "ticks": pipeline.ticks(schedule, cfg.mesh.pipeline, microbatches, repeats),
+            "compile_s": time.perf_counter() - t0}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--schedules", default="gpipe,circular,1f1b")
+    parser.add_argument("--microbatches", default="", help="comma-separated counts (default: "
+                        "the config's pipeline.microbatches)")
+    parser.add_argument("--repeats", type=int, default=2, help="circular: chunks per stage")
+    parser.add_argument("--pipeline", type=int, default=0, help="override mesh.pipeline "
+                        "(mesh.data shrinks to keep the device count)")
+    parser.add_argument("--rows_per_microbatch", type=int, default=0,
+                        help="fix the microbatch size instead of the global batch")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="config override, e.g. --set optim.name=adamw (repeatable)")
+    args = parser.parse_args(argv)
+
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
+    cfg = config_lib.load(args.config, overrides)
+    if args.pipeline:
+        devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+            cfg.mesh, pipeline=args.pipeline,
+            data=devices // (cfg.mesh.tensor * args.pipeline)))
+    if cfg.mesh.pipeline < 2:
+        parser.error(f"{args.config} has mesh.pipeline = {cfg.mesh.pipeline}; pass --pipeline")
+    ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    counts = [int(m) for m in args.microbatches.split(",") if m] or [cfg.pipeline.microbatches]
+
+    rows = []
+    for schedule in args.schedules.split(","):
+        for m in counts:
+            r = args.repeats if schedule == "circular" else 1
+            rows.append(measure(cfg, schedule, m, r, args.rows_per_microbatch))
+    import jax  # pylint: disable=g-import-not-at-top
+    mesh = {"data": cfg.mesh.data, "tensor": cfg.mesh.tensor, "pipeline": cfg.mesh.pipeline}
+    name = " ".join([args.config] + [f"--set {item}" for item in args.set])
+    result = {"config": name, "mesh": mesh, "num_layers": cfg.model.num_layers,
+              "seq_len": cfg.data.seq_len, "compute_dtype": cfg.train.compute_dtype,
+              "remat": f"{cfg.remat.policy}/{cfg.remat.layers}",
+              "backend": jax.devices()[0].platform, "rows": rows}
+
+    print(f"{name}: mesh {mesh}, {cfg.model.num_layers} layers, seq {cfg.data.seq_len}, "
+          f"{cfg.train.compute_dtype}, remat {result['remat']}, loss+grad compiled on "
+          f"{result['backend']}")
+    header = (f"{'schedule':<9} {'micro':>5} {'repeats':>7} {'batch':>5} {'ticks':>5} "
+              f"{'temp MiB':>9} {'permutes':>8} {'bubble':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['schedule']:<9} {r['microbatches']:>5} {r['repeats']:>7} "
+              f"{r['global_batch']:>5} {r['ticks']:>5} {r['temp_bytes'] / 2**20:>9.2f} "
+              f"{r['collective_permutes']:>8} {r['bubble']:>7.3f}")
+    report.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
