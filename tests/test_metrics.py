@@ -50,6 +50,38 @@ def test_flops_formula_matches_xla_with_full_attention():
     assert xla / causal > 1.10, (xla, causal)
 
 
+def test_flops_formula_matches_xla_for_latent_attention():
+    # MLA has different q/k and v head dims and low-rank projections: the formula must count
+    # them as the compiled program does (same full-attention adjustment as above).
+    cfg = config_lib.load("configs/cpu_tiny.py", {
+        **FLOPS_MODEL, "mesh.data": 1, "mesh.tensor": 1, "mesh.pipeline": 1,
+        "model.attention": "mla", "model.num_kv_heads": 4, "model.q_lora_rank": 48,
+        "model.kv_lora_rank": 32, "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8,
+        "model.v_head_dim": 24})
+    m, seq = cfg.model, cfg.data.seq_len
+    tokens = cfg.data.global_batch * seq
+    xla = mx.cost_analysis_flops(cfg, _mesh(cfg))
+    causal = mx.flops_per_token(m, seq) * tokens
+    full = causal + 3 * m.num_layers * seq * m.num_heads * (16 + 8 + 24) * tokens
+    assert 1.0 <= xla / full < 1.10, (xla, full)
+
+
+@pytest.mark.parametrize("config, published", [
+    ("configs/deepseek_v3.py", 37e9),       # DeepSeek-V3 report: 671B total, 37B activated
+    ("configs/deepseek_v2_lite.py", 2.4e9),  # DeepSeek-V2-Lite card: 15.7B total, 2.4B activated
+])
+def test_moe_flops_count_the_activated_parameters(config, published):
+    import dataclasses
+    model = dataclasses.replace(config_lib.load(config).model, num_mtp_layers=0)
+    # Published figures are rounded; the embedding (a gather) is left out of ours.
+    assert mx.matmul_params(model) == pytest.approx(published, rel=0.03)
+    # MTP (V3: one module) adds a block and a second pass through the output head.
+    with_mtp = config_lib.load(config).model
+    head = with_mtp.hidden_size * with_mtp.vocab_size
+    extra = mx.matmul_params(with_mtp) - mx.matmul_params(model)
+    assert (extra > head) if with_mtp.num_mtp_layers else extra == 0
+
+
 def test_cost_analysis_flops_sums_over_devices():
     # The (4, 2, 1) program is one device's; scaled by 8 it must match the single-device count.
     # 3%: norms, residual adds and the like are replicated over the 2 tensor shards (counted
