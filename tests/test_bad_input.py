@@ -6,7 +6,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -60,10 +59,6 @@ def _tree_digest(directory):
             h.update(os.path.relpath(path, directory).encode())
             h.update(open(path, "rb").read())
     return h.hexdigest()
-
-
-def _limit_file_size():  # in the child: files may not grow past 64 KiB (a full disk, for writes)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
 
 # (id, overrides, extra launch.py args, expected text of the one error line)
@@ -148,23 +143,24 @@ def outcomes(tmp_path_factory):
             if isinstance(value, str) and value.startswith("PREPARED:"):
                 flags[key] = prepared[value.split(":")[1]]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        args, preexec = [], None
+        args, wrapper = [], []
         for item in extra:
             if item == "XLA8":
                 env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
             elif item == "WORKDIR_UNDER_FILE":
                 pass
-            elif item == "FSIZE":
-                preexec = _limit_file_size
+            elif item == "FSIZE":  # files may not grow past 64 KiB: a full disk, for writes
+                wrapper = ["bash", "-c", 'ulimit -f 64 && exec "$@"', "limited"]
             else:
                 args.append(item)
         workdir_arg = os.path.join(blocker, "run") if "WORKDIR_UNDER_FILE" in extra else workdir
-        cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--workdir={workdir_arg}"]
+        cmd = wrapper + [sys.executable, os.path.join(ROOT, "launch.py"),
+                         f"--workdir={workdir_arg}"]
         if not any(a.startswith("--config=") for a in args):  # overrides of cpu_tiny's keys
             cmd += [f"--config.{k}={v}" for k, v in flags.items()]
         cmd += args
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900, preexec_fn=preexec)
+                              timeout=900)
         after = _tree_digest(saved) if os.path.isdir(saved) else None
         return name, (proc, before == after)
 
