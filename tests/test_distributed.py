@@ -67,8 +67,9 @@ def _records(workdir):
         return [json.loads(line) for line in f]
 
 
-def _launch_processes(workdir, flags, num_processes, logdir, timeout_s=240):
+def _launch_processes(workdir, flags, num_processes, logdir, timeout_s=240, while_running=None):
     """Runs `num_processes` launch.py processes against one coordinator; returns their logs.
+    `while_running(procs)` is called every 0.1 s until they end (e.g. to send a signal).
 
     Fails (never hangs) if any process exits non-zero or the group outlives `timeout_s`; every
     process still running is killed on the way out.
@@ -95,7 +96,9 @@ def _launch_processes(workdir, flags, num_processes, logdir, timeout_s=240):
                 pytest.fail(f"process {i} exited {procs[i].returncode}:\n{_tail(logs[i])}")
             if time.monotonic() > deadline:
                 pytest.fail(f"processes still running after {timeout_s} s:\n{_tail(logs[0])}")
-            time.sleep(0.5)
+            if while_running is not None:
+                while_running(procs)
+            time.sleep(0.1)
         for i, p in enumerate(procs):
             assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{_tail(logs[i])}"
     finally:
@@ -159,6 +162,37 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     with open(os.path.join(two, "summary.json"), encoding="utf-8") as f:
         evaluated = json.load(f)
     np.testing.assert_allclose(evaluated["eval_loss"], summary["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
+    # SIGTERM reaches process 1 only; process 0 learns of it through the coordination service's
+    # key-value store (dsjax/preemption.py), both finish the same step, write one checkpoint
+    # together and exit 0. A disagreement would hang the next collective (the test then fails
+    # on its deadline instead).
+    from dsjax.data import build_stdlib_corpus
+    import signal
+
+    corpus = str(tmp_path / "corpus")
+    build_stdlib_corpus(corpus)
+    flags = {**TINY_FLAGS, "train.steps": 200, "checkpoint.every": 0, "data.path": corpus,
+             "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1, "metrics.profile_every": 0}
+    workdir = str(tmp_path / "run")
+    sent = []
+
+    def signal_process_1(procs):
+        path = os.path.join(workdir, "metrics.jsonl")
+        if not sent and os.path.isfile(path) and len(open(path, encoding="utf-8").readlines()) >= 3:
+            procs[1].send_signal(signal.SIGTERM)
+            sent.append(time.monotonic())
+
+    logs = _launch_processes(workdir, flags, 2, str(tmp_path), while_running=signal_process_1)
+    assert sent, "the run ended before the signal"
+    steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
+    assert len(steps) == 1 and 3 <= steps[0] < 200, steps
+    assert f"stopped early at step {steps[0]} of 200 (process 1: SIGTERM)" in logs[0], logs[0][-2000:]
+    assert "SIGTERM received" in logs[1]
+    assert "held-out: loss" not in logs[0]  # stopped early: no eval
 
 
 @dataclasses.dataclass(frozen=True)
