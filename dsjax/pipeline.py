@@ -41,9 +41,8 @@ Microbatch m of a global batch [B, ...] is rows m, M + m, 2M + m, ...: the resha
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,14 +50,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8, sharding
-from dsjax.config import PIPELINE_SCHEDULES, ConfigError, PipelineConfig
+from dsjax.config import ConfigError, PipelineConfig
 from dsjax.model.decoder import Transformer, embed_tokens, output_logits, weighted_cross_entropy
 from dsjax.model.layers import RMSNorm
 
 STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
-SCHEDULES = PIPELINE_SCHEDULES
 MICRO_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
-REPLICATED = ("embedding", "final_norm", "lm_head")  # top-level params every stage holds
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -120,6 +117,7 @@ class Pipelined:
 
 
 def make(model: Transformer, cfg: PipelineConfig, stages: int, typed: bool) -> Pipelined:
+    """The `Pipelined` model for `cfg` (the validated pipeline section) over `stages` stages."""
     return Pipelined(model, stages, cfg.schedule, cfg.microbatches, cfg.repeats, typed)
 
 

@@ -2,6 +2,7 @@
 invariants 1 and 5), 1F1B's flat memory, training with remat + fp8, config errors, and a
 checkpoint written with pp=2 evaluated with pp=1."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -40,28 +41,32 @@ def _loss_and_grads(apply_fn, params, batch):
                                                                                       batch)
 
 
-@pytest.mark.parametrize("schedule, mesh, microbatches, repeats, layers", [
-    ("gpipe", (2, 2, 2), 2, 1, 4),
-    ("gpipe", (2, 2, 2), 4, 1, 4),
-    ("gpipe", (2, 1, 4), 4, 1, 4),
-    ("circular", (2, 2, 2), 2, 2, 4),
-    ("circular", (2, 2, 2), 4, 3, 6),  # 3 chunks per stage: 2 all_to_all slots per pair
-    pytest.param("circular", (2, 1, 4), 4, 2, 8, marks=pytest.mark.slow),
-    ("1f1b", (2, 2, 2), 2, 1, 4),
-    ("1f1b", (2, 2, 2), 4, 1, 4),
-    pytest.param("1f1b", (1, 1, 8), 8, 1, 8, marks=pytest.mark.slow),
+@pytest.mark.parametrize("schedule, mesh, microbatches, repeats, layers, typed", [
+    ("gpipe", (2, 2, 2), 2, 1, 4, True),
+    # Unchecked shard_map (what fp8 models run): gradients of replicated params still exact.
+    ("gpipe", (2, 2, 2), 2, 1, 4, False),
+    ("gpipe", (2, 2, 2), 4, 1, 4, True),
+    ("gpipe", (2, 1, 4), 4, 1, 4, True),
+    ("circular", (2, 2, 2), 2, 2, 4, True),
+    ("circular", (2, 2, 2), 4, 3, 6, True),  # 3 chunks per stage: 2 all_to_all slots per pair
+    pytest.param("circular", (2, 1, 4), 4, 2, 8, True, marks=pytest.mark.slow),
+    ("1f1b", (2, 2, 2), 2, 1, 4, True),
+    ("1f1b", (2, 2, 2), 2, 1, 4, False),
+    ("1f1b", (2, 2, 2), 4, 1, 4, True),
+    pytest.param("1f1b", (1, 1, 8), 8, 1, 8, True, marks=pytest.mark.slow),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats, layers):
+def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats, layers,
+                                                typed):
     cfg = _pipelined(mesh, schedule, microbatches, repeats, **{"model.num_layers": layers})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
     assert isinstance(state.apply_fn, pipeline.Pipelined)
+    apply_fn = dataclasses.replace(state.apply_fn, typed=typed)
     # The layer stack is split over the stages, as the rules table says.
     assert trainer.state_shardings.params["layers"]["attn"]["q"].spec[0] == "pipeline"
     host_batch = random_batch(np.random.default_rng(1), 8, 16, vocab=128)
     with sharding.activate(trainer.mesh, trainer.rules):
-        loss, grads = _loss_and_grads(state.apply_fn, state.params,
-                                      trainer.device_batch(host_batch))
+        loss, grads = _loss_and_grads(apply_fn, state.params, trainer.device_batch(host_batch))
     # Reference: the same weights, the plain decoder, one device, no mesh.
     params = jax.device_get(state.params)
     ref_loss, ref_grads = _loss_and_grads(state.apply_fn.model.apply, params, host_batch)
