@@ -8,7 +8,24 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "cpu_tiny.py"),
+_DEFAULT_CONFIG = os.path.join(_HERE, "configs", "cpu_tiny.py")
+
+
+def _check_command_line() -> None:
+    """ml_collections reads --config and its overrides while flags are being defined, and reports
+    a bad one with a traceback; check them first and say what is wrong in one line."""
+    from dsjax.config import ConfigError, check_command_line
+    try:
+        check_command_line(sys.argv[1:], _DEFAULT_CONFIG)
+    except ConfigError as e:
+        if "--verbose" in sys.argv:
+            raise
+        print(f"dsjax: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+_check_command_line()
+config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
                                 "Config file (configs/NAME.py[:ARG]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "Train (then evaluate) or only evaluate.")
@@ -19,8 +36,26 @@ flags.DEFINE_integer("num_processes", None,
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index in [0, N).")
 flags.DEFINE_integer("local_devices", None, "Simulated CPU devices in this process (default: the "
                      "mesh's device count / number of processes).")
+flags.DEFINE_string("max_runtime", None, "Wall-clock budget (3600, 90m, 2h, 1h30m): checkpoint and "
+                    "exit 0 before the next step would exceed it; rerun to resume.")
+flags.DEFINE_bool("allow_fallback", False, "If the newest checkpoint is corrupt, move it aside "
+                  "and resume from the previous one (default: stop and say so).")
 flags.DEFINE_bool("verbose", False, "Show full tracebacks for configuration and input errors.")
 FLAGS = flags.FLAGS
+
+
+def _max_runtime_s() -> float:
+    from dsjax.config import ConfigError
+    from dsjax.preemption import parse_duration
+    if FLAGS.max_runtime is None:
+        return 0.0
+    try:
+        seconds = parse_duration(FLAGS.max_runtime)
+    except ValueError as e:
+        raise ConfigError(f"--max_runtime: {e}") from None
+    if seconds <= 0:
+        raise ConfigError(f"--max_runtime: must be > 0, got {FLAGS.max_runtime!r}")
+    return seconds
 
 
 def main(argv):
@@ -28,13 +63,14 @@ def main(argv):
     if not FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
     config_arg = flags.FLAGS["config"].config_filename
-    from dsjax import distributed
+    from dsjax import distributed, xla_flags
     from dsjax.cpu_devices import ensure_cpu_devices
     from dsjax.config import from_config_dict
     path, _, arg = config_arg.partition(":")
     name = os.path.splitext(os.path.basename(path))[0] + (f":{arg}" if arg else "")
     try:
         cfg = from_config_dict(FLAGS.config, name=name)
+        xla_flags.apply(cfg.mesh.xla_profile)  # XLA reads XLA_FLAGS once, at backend start
         cluster = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
         mesh_devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
         if not FLAGS.local_devices:
@@ -42,19 +78,28 @@ def main(argv):
         distributed.maybe_initialize(*cluster, local_devices=FLAGS.local_devices)
         from dsjax import metrics, sharding
         metrics.log(distributed.describe_layout(sharding.make_mesh(cfg)))
+        metrics.log(xla_flags.summary(cfg.mesh.xla_profile))
         workdir = FLAGS.workdir or os.path.join("runs", name.replace(":", "_"))
+        if not FLAGS.verbose:
+            from dsjax.errors import quiet_library_logs
+            import jax
+            quiet_library_logs(workdir, jax.process_index())
         if FLAGS.mode == "train":
             from dsjax import train
-            train.run(cfg, workdir)
+            train.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback,
+                      max_runtime_s=_max_runtime_s())
         else:
             from dsjax import evaluate
-            evaluate.run(cfg, workdir)
+            evaluate.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback)
     except Exception as e:  # pylint: disable=broad-except
         from dsjax.errors import USER_ERRORS
         if FLAGS.verbose or not isinstance(e, USER_ERRORS):
             raise
         print(f"dsjax: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)  # pylint: disable=protected-access  # not sys.exit: Orbax's writer threads
+                     # would keep the process alive (and talking) after a failed save
 
 
 if __name__ == "__main__":

@@ -21,12 +21,46 @@ def get_config(arg=None):
         rope_theta=10000.0,  # rotary base
         norm_eps=1e-6,       # RMSNorm epsilon
         init_std=0.02,       # normal init std of every matrix
+        # DeepSeek-V2/V3 architecture (docs/moe.md); these values mean standard attention, dense.
+        attention="mha",     # mha (grouped-query) | mla (multi-head latent attention)
+        q_lora_rank=0,       # mla: query compression rank (0 = plain q projection)
+        kv_lora_rank=0,      # mla: compressed KV latent width
+        qk_nope_head_dim=0,  # mla: per-head q/k dims without RoPE
+        qk_rope_head_dim=0,  # mla: per-head q/k dims with decoupled RoPE
+        v_head_dim=0,        # mla: per-head value dim
+        rope_scaling="none",  # mla: none | yarn
+        rope_factor=1.0,     # yarn: context extension factor
+        rope_original_max_len=0,  # yarn: pretraining context length
+        rope_beta_fast=32.0,  # yarn: ramp boundary (rotations), extrapolated above
+        rope_beta_slow=1.0,  # yarn: ramp boundary (rotations), interpolated below
+        rope_mscale=1.0,     # yarn: RoPE'd q/k temperature term
+        rope_mscale_all_dim=0.0,  # yarn: softmax-scale temperature term (0 = off)
+        n_routed_experts=0,  # MoE: routed experts per MoE layer (0 = dense model)
+        n_shared_experts=0,  # MoE: shared experts
+        moe_intermediate_size=0,  # MoE: hidden width of one expert
+        num_experts_per_tok=0,  # MoE: experts per token (top-k)
+        n_group=1,           # MoE: expert groups (group-limited routing)
+        topk_group=1,        # MoE: groups a token may use
+        routed_scaling_factor=1.0,  # MoE: routed output multiplier
+        scoring="softmax",   # MoE router: softmax (V2) | sigmoid + correction bias (V3)
+        norm_topk_prob=False,  # MoE: normalise the top-k weights
+        first_k_dense_replace=0,  # MoE: leading layers that keep the dense MLP
+        aux_loss_alpha=0.0,  # MoE: sequence-wise balance loss weight (0 = off)
+        bias_update_speed=0.001,  # MoE sigmoid: aux-loss-free bias step gamma (0 = off)
+        expert_parallel=False,  # MoE: all-to-all dispatch with experts over `data`
+        capacity_factor=0.0,  # MoE: expert capacity factor (0 = dropless)
+        num_mtp_layers=0,    # multi-token prediction modules (0 = off)
+        mtp_loss_weight=0.3,  # MTP loss weight
     ))
     c.mesh = ConfigDict(dict(
         data=4,              # data-parallel size
         tensor=2,            # tensor-parallel size (heads, MLP, vocab)
-        pipeline=1,          # pipeline stages (1 until pipeline parallelism lands)
+        pipeline=1,          # pipeline stages; --config.mesh.data=2 --config.mesh.pipeline=2 pipelines
+                             # the 6 layers over 2 stages (docs/pipeline.md)
         fsdp=False,          # also shard params/optimizer state over `data`
+        dcn_data=0,          # hosts `data` spans (0: one per process; docs/multihost.md)
+        dcn_pipeline=1,      # hosts `pipeline` spans
+        xla_profile="none",  # XLA flag profile: none | overlap (GPU comm/compute overlap)
     ))
     c.data = ConfigDict(dict(
         source="stdlib",     # the Python standard library's own .py files, byte tokens
@@ -63,6 +97,7 @@ def get_config(arg=None):
         bucket_mb=0.0,       # MiB per compressed all-reduce; 0 = one per tensor (converges best)
         bias_correction=False,  # Adam's bias correction (False = DeepSpeed's OnebitAdam)
         error_feedback=True,    # carry each step's compression error into the next (ablation: off)
+        hierarchical=False,     # exact inside a host, 1-bit across hosts (needs >= 2 hosts)
     ))
     c.fp8 = ConfigDict(dict(
         recipe="current",    # current | delayed | rowwise scaling (when compute_dtype = fp8)
@@ -79,13 +114,24 @@ def get_config(arg=None):
         memory_budget_gb=0.0,  # "auto": per-device budget (0 = 90% of device memory)
     ))
     c.pipeline = ConfigDict(dict(
-        schedule="gpipe",    # gpipe | circular | 1f1b (when mesh.pipeline > 1)
-        microbatches=1,      # microbatches streamed through the stages
-        repeats=1,           # circular: layer groups per stage
+        schedule="1f1b",     # gpipe | circular | 1f1b (used when mesh.pipeline > 1)
+        microbatches=4,      # microbatches per step (a multiple of mesh.pipeline; divides the batch)
+        repeats=1,           # circular only: interleaved layer chunks per stage
     ))
     c.batch = ConfigDict(dict(
         policy="fixed",      # fixed | ramp | adaptive global batch size
         ladder="",           # allowed global batch sizes, comma-separated ("" = data.global_batch)
+        reference_batch=0,   # the batch optim.lr is tuned for (0 = data.global_batch)
+        lr_scaling="sqrt",   # lr rescaling on a batch change: none | linear | sqrt
+        micro_batch=0,       # rows per data replica per micro-step (0 = largest that fits memory)
+        mem_fraction=0.9,    # memory budget: fraction of device memory (and adaptive's threshold)
+        device_memory_gb=0.0,  # per-device memory (0 = the device's own limit; CPU has none)
+        ramp="",             # ramp: "tokens:batch,..." (linear between points, snapped to the ladder)
+        grow=1.5,            # adaptive: grow factor while memory and step time allow
+        shrink=0.8,          # adaptive: shrink factor when memory passes mem_fraction
+        target_step_ms=0.0,  # adaptive: grow only while steps are faster (0 = no time rule)
+        patience=3,          # adaptive: agreeing readings before a change; ramp: steps of lookahead
+        cooldown=10,         # adaptive: steps after a change before the next
     ))
     c.checkpoint = ConfigDict(dict(
         every=200,           # steps between checkpoints (and one at the end)

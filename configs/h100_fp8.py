@@ -4,8 +4,9 @@ Landed: fp8 GEMMs for every attention/MLP projection (current per-tensor scaling
 head, norms and the attention core stay in bf16/fp32), selective recomputation `attention_core`
 (benchmarks/results/remat_deepseek_7b.txt: 34% of `none`'s activation memory for +4.6% FLOPs),
 1-bit Adam with error compensation after 20% of the steps (benchmarks/results/comm_bytes_*.json:
-the compressed step sends ~1/32 of the warmup step's data-parallel bytes). Pipeline parallelism
-(#7) and the dynamic batch size (#8) switch themselves on here when they land.
+the compressed step sends ~1/32 of the warmup step's data-parallel bytes), the adaptive batch
+size between 512 and 2048 rows with gradient accumulation (#8). Pipeline parallelism (#7) has
+landed but stays off here: it does not compose with 1-bit Adam yet (see the pipeline block).
 
 Run on 8 H100s:  python launch.py --config configs/h100_fp8.py --config.data.path=DIR
 On CPU (everything landed, on a tiny model):  python launch.py --config configs/h100_fp8.py:smoke
@@ -24,6 +25,7 @@ def get_config(arg=None):
     # No ZeRO-3: 1-bit Adam compresses each worker's momentum of the whole model, so params and
     # optimizer state stay replicated over `data` (mesh.fsdp with onebit_adam is a ConfigError).
     c.mesh.fsdp = False
+    c.mesh.xla_profile = "overlap"      # latency-hiding scheduler + pipelined collectives (GPU)
     c.optim.name = "onebit_adam"        # exact Adam, then 1-bit compressed momentum all-reduce
     c.optim.freeze_step = c.train.steps // 5  # freeze v after 20% of the steps (200; smoke: 4)
     c.train.compute_dtype = "fp8"       # fp8 projections; the rest in fp8.other_dtype
@@ -31,6 +33,31 @@ def get_config(arg=None):
     c.fp8.other_dtype = "bfloat16"      # embedding, head, attention core
     c.remat.policy = "attention_core"   # Megatron-style selective recompute (see docstring)
     c.remat.layers = "all"
+    # Dynamic batch size (docs/batching.md): start at 512 rows (2M tokens), grow x1.5 up the
+    # ladder while the predicted memory stays under 90%, shrink x0.8 past it; each size is
+    # micro-batch x accumulation x data, the micro-batch the largest predicted to fit.
+    c.data.global_batch = 512           # the starting size (a ladder size)
+    c.batch.update(dict(
+        policy="adaptive", ladder="512,768,1024,1536,2048",
+        reference_batch=512,            # optim.lr is the lr at 512 rows; sqrt-scaled above
+        lr_scaling="sqrt",
+        micro_batch=0,                  # chosen from the compiled program's memory_analysis()
+        mem_fraction=0.9,
+        target_step_ms=0.0,             # no step-time rule: with accumulation a step's time
+                                        # grows with the batch by design (docs/batching.md)
+        patience=3, cooldown=10))
+    # Pipeline parallelism (#7) stays off here: 1-bit Adam's gradient shard_map (manual over
+    # `data`) does not compose with the pipeline's (manual over `pipeline`) yet. With
+    # optim.name=adamw and batch.policy=fixed the recipe's split is --config.mesh.data=1
+    # --config.mesh.pipeline=2 (tensor 4 x pipeline 2), schedule below (docs/pipeline.md).
+    c.pipeline.update(dict(schedule="1f1b", microbatches=8, repeats=1))
     if arg == "smoke":
+        c.pipeline.microbatches = 2     # pipelined smoke: mesh (2, 2, 2), 8 rows
         c.fp8.other_dtype = "float32"   # CPUs have no fast bf16; fp8 GEMMs are emulated exactly
+        c.data.global_batch = 8         # 2 rows per data-parallel replica
+        # A two-rung ladder and micro-batch 1, so accumulation (2, then 4 micro-steps) composes
+        # with fp8 and 1-bit Adam; CPU reports no memory limit, so adaptive grows once the
+        # cooldown is over. Deterministic (no step-time rule): resuming reproduces the run.
+        c.batch.update(dict(ladder="8,16", reference_batch=8, micro_batch=1, patience=2,
+                            cooldown=2))
     return c

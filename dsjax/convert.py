@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dsjax.config import ModelConfig
+from dsjax.config import ConfigError, ModelConfig, _validate_deepseek
 from dsjax.safetensors_io import (DTYPES, SafetensorsCheckpoint, SafetensorsError, open_directory,
                                   parse_size, write_checkpoint)
 
@@ -49,14 +49,21 @@ class ConvertError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    hf: str                 # HF tensor name; "{i}" stands for the layer index
-    leaf: tuple[str, ...]   # path of the dsjax leaf; per-layer rules fill leaf[i]
+    hf: str                 # HF tensor name; "{i}" stands for the layer index, "{j}" the expert
+    leaf: tuple[str, ...]   # path of the dsjax leaf; per-layer rules fill leaf[i] (leaf[i, j])
     hf_dims: tuple[str, ...]  # HF shape in the symbols of `_hf_sizes`
     transpose: bool         # torch Linear [out, in] -> dsjax [in, ...out]
+    layers: str = "all"     # DeepSeek-V2/V3: which blocks have it: all | dense | moe. A per-layer
+                            # leaf lives in the block's stack ("layers" or "moe_layers").
+    export_tag: str = ""    # safetensors dtype written whatever --dtype says ("" = --dtype)
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
 
     def to_dsjax(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         return (w.T if self.transpose else w).reshape(shape)
@@ -85,24 +92,110 @@ RULES = (
     Rule("lm_head.weight", ("lm_head",), ("V", "D"), True),
 )
 _DIM_NAMES = {"V": "vocab_size", "D": "hidden_size", "F": "intermediate_size",
-              "HK": "num_attention_heads*head_dim", "NK": "num_key_value_heads*head_dim"}
+              "HK": "num_attention_heads*head_dim", "NK": "num_key_value_heads*head_dim",
+              "HQ": "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
+              "Q": "q_lora_rank", "C": "kv_lora_rank", "CP": "kv_lora_rank+qk_rope_head_dim",
+              "HKV": "num_attention_heads*(qk_nope_head_dim+v_head_dim)",
+              "HV": "num_attention_heads*v_head_dim", "E": "n_routed_experts",
+              "M": "moe_intermediate_size", "SM": "n_shared_experts*moe_intermediate_size"}
+
+# DeepSeek-V2/V3 (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM): MLA in every block, the dense
+# MLP in the first first_k_dense_replace blocks, DeepSeekMoE in the others. HF keeps one tensor
+# per expert; dsjax stacks them on an experts axis ([L, E, ...]).
+_ATTN = _LAYER + "self_attn."
+_MOE = _LAYER + "mlp."
+DEEPSEEK_RULES = (
+    Rule("model.embed_tokens.weight", ("embedding",), ("V", "D"), False),
+    Rule(_LAYER + "input_layernorm.weight", ("layers", "attn_norm", "scale"), ("D",), False),
+    # Row h*(A+P) + k of q_proj/q_b_proj is head h, dim k (nope dims first, then rope dims).
+    Rule(_ATTN + "q_proj.weight", ("layers", "attn", "q"), ("HQ", "D"), True),
+    Rule(_ATTN + "q_a_proj.weight", ("layers", "attn", "q_a"), ("Q", "D"), True),
+    Rule(_ATTN + "q_a_layernorm.weight", ("layers", "attn", "q_norm", "scale"), ("Q",), False),
+    Rule(_ATTN + "q_b_proj.weight", ("layers", "attn", "q_b"), ("HQ", "Q"), True),
+    Rule(_ATTN + "kv_a_proj_with_mqa.weight", ("layers", "attn", "kv_a"), ("CP", "D"), True),
+    Rule(_ATTN + "kv_a_layernorm.weight", ("layers", "attn", "kv_norm", "scale"), ("C",), False),
+    Rule(_ATTN + "kv_b_proj.weight", ("layers", "attn", "kv_b"), ("HKV", "C"), True),
+    Rule(_ATTN + "o_proj.weight", ("layers", "attn", "o"), ("D", "HV"), True),
+    Rule(_LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), ("D",),
+         False),
+    Rule(_MOE + "gate_proj.weight", ("layers", "mlp", "gate"), ("F", "D"), True, "dense"),
+    Rule(_MOE + "up_proj.weight", ("layers", "mlp", "up"), ("F", "D"), True, "dense"),
+    Rule(_MOE + "down_proj.weight", ("layers", "mlp", "down"), ("D", "F"), True, "dense"),
+    Rule(_MOE + "gate.weight", ("layers", "moe", "router"), ("E", "D"), True, "moe"),
+    # V3's correction bias stays float32 in both directions, as in the released checkpoints.
+    Rule(_MOE + "gate.e_score_correction_bias", ("layers", "moe", "router_bias"), ("E",), False,
+         "moe", "F32"),
+    Rule(_MOE + "experts.{j}.gate_proj.weight", ("layers", "moe", "gate"), ("M", "D"), True,
+         "moe"),
+    Rule(_MOE + "experts.{j}.up_proj.weight", ("layers", "moe", "up"), ("M", "D"), True, "moe"),
+    Rule(_MOE + "experts.{j}.down_proj.weight", ("layers", "moe", "down"), ("D", "M"), True,
+         "moe"),
+    Rule(_MOE + "shared_experts.gate_proj.weight", ("layers", "moe", "shared", "gate"),
+         ("SM", "D"), True, "moe"),
+    Rule(_MOE + "shared_experts.up_proj.weight", ("layers", "moe", "shared", "up"), ("SM", "D"),
+         True, "moe"),
+    Rule(_MOE + "shared_experts.down_proj.weight", ("layers", "moe", "shared", "down"),
+         ("D", "SM"), True, "moe"),
+    Rule("model.norm.weight", ("final_norm", "scale"), ("D",), False),
+    Rule("lm_head.weight", ("lm_head",), ("V", "D"), True),
+)
+
+
+def is_deepseek_moe(cfg: ModelConfig) -> bool:
+    """True for the DeepSeek-V2/V3 layout (MLA and/or MoE), False for DeepSeek-LLM (Llama)."""
+    return cfg.attention == "mla" or cfg.is_moe
+
+
+def _rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    """The rules of the tensors `cfg`'s checkpoint holds."""
+    if not is_deepseek_moe(cfg):
+        return RULES
+    skip = {"q_proj"} if cfg.q_lora_rank else {"q_a_proj", "q_a_layernorm", "q_b_proj"}
+    if cfg.scoring != "sigmoid":
+        skip.add("e_score_correction_bias")
+    if not cfg.n_shared_experts:
+        skip |= {f"shared_experts.{p}_proj" for p in ("gate", "up", "down")}
+    return tuple(r for r in DEEPSEEK_RULES if not any(f".{x}." in r.hf or r.hf.endswith(f".{x}")
+                                                      for x in skip))
 
 
 def _hf_sizes(cfg: ModelConfig) -> dict[str, int]:
     k = cfg.resolved_head_dim
+    H, A, P, U = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     return {"V": cfg.vocab_size, "D": cfg.hidden_size, "F": cfg.mlp_dim,
-            "HK": cfg.num_heads * k, "NK": cfg.num_kv_heads * k}
+            "HK": cfg.num_heads * k, "NK": cfg.num_kv_heads * k,
+            "HQ": H * (A + P), "Q": cfg.q_lora_rank, "C": cfg.kv_lora_rank,
+            "CP": cfg.kv_lora_rank + P, "HKV": H * (A + U), "HV": H * U,
+            "E": cfg.n_routed_experts, "M": cfg.moe_intermediate_size,
+            "SM": cfg.n_shared_experts * cfg.moe_intermediate_size}
 
 
-def tensor_plan(cfg: ModelConfig) -> dict[str, tuple[Rule, int | None, tuple[int, ...]]]:
-    """HF tensor name -> (rule, layer index or None, HF shape), rule-major (leaf by leaf)."""
+def tensor_plan(cfg: ModelConfig) -> dict[str, tuple[Rule, Any, tuple[int, ...]]]:
+    """HF tensor name -> (rule, index into the leaf or None, HF shape), rule-major (leaf by leaf).
+
+    The index is the layer (an int) or, for DeepSeek-V2/V3 stacks, (layer within the stack,) or
+    (layer within the stack, expert); the rule's leaf then names the block's stack."""
     sizes = _hf_sizes(cfg)
     plan = {}
-    for rule in RULES:
+    deepseek = is_deepseek_moe(cfg)
+    k = cfg.first_k_dense_replace if cfg.is_moe else cfg.num_layers
+    for rule in _rules(cfg):
         shape = tuple(sizes[d] for d in rule.hf_dims)
-        layers = range(cfg.num_layers) if rule.per_layer else [None]
-        for i in layers:
-            plan[rule.hf.format(i=i)] = (rule, i, shape)
+        if not rule.per_layer:
+            plan[rule.hf] = (rule, None, shape)
+            continue
+        if not deepseek:
+            for i in range(cfg.num_layers):
+                plan[rule.hf.format(i=i)] = (rule, i, shape)
+            continue
+        for stack, lo, hi in (("layers", 0, k), ("moe_layers", k, cfg.num_layers)):
+            if rule.layers == ("moe" if stack == "layers" else "dense") or lo == hi:
+                continue
+            resolved = dataclasses.replace(rule, leaf=(stack,) + rule.leaf[1:])
+            for i in range(lo, hi):
+                for j in range(cfg.n_routed_experts) if rule.per_expert else [None]:
+                    index = (i - lo,) if j is None else (i - lo, j)
+                    plan[rule.hf.format(i=i, j=j)] = (resolved, index, shape)
     return plan
 
 
@@ -116,10 +209,11 @@ def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
 
     flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract_params(cfg)))[0]
     shapes = {tuple(k.key for k in path): tuple(x.shape) for path, x in flat}
-    covered = {rule.leaf for rule in RULES}
+    plan = tensor_plan(cfg)
+    covered = {rule.leaf for rule, _, _ in plan.values()}
     odd = sorted(set(shapes) ^ covered)
-    for _, (rule, layer, hf_shape) in tensor_plan(cfg).items():
-        shape = shapes.get(rule.leaf, ())[0 if layer is None else 1:]
+    for _, (rule, layer, hf_shape) in plan.items():
+        shape = shapes.get(rule.leaf, ())[len(np.atleast_1d(layer)) if layer is not None else 0:]
         if math.prod(shape) != math.prod(hf_shape):
             odd.append(rule.leaf)
     if odd:
@@ -147,9 +241,12 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     def fail(key: str, why: str):
         raise ConvertError(f"{where}: {key}: {why}")
 
+    if hf.get("model_type") in DEEPSEEK_ARCHS:
+        return _deepseek_config_from_hf(hf, fail)
     if hf.get("model_type") != "llama":
         fail("model_type", f"{hf.get('model_type')!r} is not supported; dsjax converts the "
-             "DeepSeek-LLM family, whose checkpoints are model_type 'llama' (LlamaForCausalLM)")
+             "DeepSeek-LLM family, whose checkpoints are model_type 'llama' (LlamaForCausalLM), "
+             f"and DeepSeek-V2/V3 ({', '.join(DEEPSEEK_ARCHS)})")
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
     if archs != ["LlamaForCausalLM"]:
         fail("architectures", f"{archs} is not supported; expected ['LlamaForCausalLM']")
@@ -207,6 +304,122 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         init_std=float(hf.get("initializer_range", 0.02)))
 
 
+DEEPSEEK_ARCHS = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+# HF rope_parameters / rope_scaling key -> ModelConfig field, for YaRN.
+_YARN_FIELDS = (("factor", "rope_factor"), ("original_max_position_embeddings",
+                                             "rope_original_max_len"),
+                ("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow"),
+                ("mscale", "rope_mscale"), ("mscale_all_dim", "rope_mscale_all_dim"))
+
+
+def _deepseek_config_from_hf(hf: dict, fail) -> ModelConfig:
+    """A DeepSeek-V2/V3 `config.json` -> ModelConfig (MLA, DeepSeekMoE); refuses the rest."""
+    v3 = hf["model_type"] == "deepseek_v3"
+    arch = DEEPSEEK_ARCHS[hf["model_type"]]
+    archs = hf.get("architectures") or [arch]
+    if archs != [arch]:
+        fail("architectures", f"{archs} is not supported; expected [{arch!r}]")
+    if hf.get("tie_word_embeddings", False):
+        fail("tie_word_embeddings", "true is not supported: dsjax keeps the embedding and the "
+             "output head separate (DeepSeek-V2/V3 do too)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            fail(key, "true is not supported: dsjax projections have no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        fail("hidden_act", f"{hf['hidden_act']!r} is not supported; dsjax's MLP is SwiGLU (silu)")
+    if not hf.get("rope_interleave", True):
+        fail("rope_interleave", "false is not supported: dsjax's MLA uses DeepSeek's interleaved "
+             "RoPE pairs, as the released checkpoints do")
+    if hf.get("moe_layer_freq", 1) != 1:
+        fail("moe_layer_freq", f"{hf['moe_layer_freq']} is not supported: every layer after "
+             "first_k_dense_replace is MoE")
+
+    def integer(key: str, default: Any = None, minimum: int = 1) -> int:
+        value = hf.get(key, default)
+        if value is None:
+            value = default
+        if value is None:
+            fail(key, "required but missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            fail(key, f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            fail(key, f"expected a non-negative number, got {value!r}")
+        return float(value)
+
+    heads = integer("num_attention_heads")
+    if integer("num_key_value_heads", heads) != heads:
+        fail("num_key_value_heads", f"{hf['num_key_value_heads']} is not supported: MLA expands "
+             f"its latent to every head (num_attention_heads={heads})")
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        fail("rope_parameters.rope_type", f"{kind!r} RoPE is not supported; dsjax's MLA "
+             "implements the default and 'yarn'")
+    yarn = {}
+    if kind == "yarn":
+        if rope.get("attention_factor") is not None:
+            fail("rope_parameters.attention_factor", "an explicit YaRN attention factor is not "
+                 "supported (dsjax derives it from mscale and mscale_all_dim, as DeepSeek)")
+        if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+            fail("rope_parameters", "yarn needs factor and original_max_position_embeddings")
+        yarn = {field: number(f"rope_parameters.{key}", rope[key])
+                for key, field in _YARN_FIELDS if rope.get(key) is not None}
+        yarn["rope_original_max_len"] = int(yarn["rope_original_max_len"])
+        yarn["rope_scaling"] = "yarn"
+    theta = number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    layers = integer("num_hidden_layers")
+    experts = integer("n_routed_experts", 0, minimum=0)
+    moe = {}
+    if experts:
+        if v3:
+            scoring, n_group = "sigmoid", integer("n_group", 1)
+            topk_group = integer("topk_group", 1)
+            if hf.get("scoring_func", "sigmoid") != "sigmoid":
+                fail("scoring_func", f"{hf['scoring_func']!r}: DeepseekV3 routes with sigmoid")
+        else:
+            method = hf.get("topk_method", "greedy")
+            if method not in ("greedy", "group_limited_greedy"):
+                fail("topk_method", f"{method!r} is not supported; valid: greedy, "
+                     "group_limited_greedy")
+            scoring = "softmax"
+            if hf.get("scoring_func", "softmax") != "softmax":
+                fail("scoring_func", f"{hf['scoring_func']!r}: DeepseekV2 routes with softmax")
+            greedy = method == "greedy"
+            n_group = 1 if greedy else integer("n_group")
+            topk_group = 1 if greedy else integer("topk_group")
+            if hf.get("norm_topk_prob"):
+                fail("norm_topk_prob", "true is ambiguous for DeepSeek-V2: transformers ignores "
+                     "it, DeepSeek's own code normalises; the released V2 models use false")
+        moe = dict(n_routed_experts=experts,
+                   n_shared_experts=integer("n_shared_experts", 0, minimum=0),
+                   moe_intermediate_size=integer("moe_intermediate_size"),
+                   num_experts_per_tok=integer("num_experts_per_tok"),
+                   n_group=n_group, topk_group=topk_group, scoring=scoring,
+                   routed_scaling_factor=number("routed_scaling_factor",
+                                                hf.get("routed_scaling_factor", 1.0)),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if v3 else False,
+                   first_k_dense_replace=integer("first_k_dense_replace", 0, minimum=0))
+    eps = number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
+    try:
+        cfg = ModelConfig(
+            num_layers=layers, hidden_size=integer("hidden_size"), num_heads=heads,
+            num_kv_heads=heads, mlp_dim=integer("intermediate_size"),
+            vocab_size=integer("vocab_size"), rope_theta=theta, norm_eps=eps,
+            init_std=float(hf.get("initializer_range", 0.02)), attention="mla",
+            q_lora_rank=integer("q_lora_rank", 0, minimum=0),
+            kv_lora_rank=integer("kv_lora_rank"), qk_nope_head_dim=integer("qk_nope_head_dim"),
+            qk_rope_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
+            **yarn, **moe)
+        _validate_deepseek(cfg)
+    except ConfigError as e:
+        fail("config", str(e))
+    return cfg
+
+
 # dsjax field -> (HF field, value getter): what must agree between a dsjax config and config.json.
 _COMPARED = (
     ("num_layers", "num_hidden_layers", lambda m: m.num_layers),
@@ -221,12 +434,24 @@ _COMPARED = (
 )
 
 
+_DEEPSEEK_COMPARED = (
+    "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "rope_scaling", "rope_factor", "rope_original_max_len", "rope_beta_fast",
+    "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "n_routed_experts",
+    "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group",
+    "routed_scaling_factor", "scoring", "norm_topk_prob", "first_k_dense_replace")
+
+
 def check_same_model(hf_model: ModelConfig, dsjax_model: ModelConfig, where: str) -> None:
     """Fails with one message naming every field where a dsjax config disagrees with config.json."""
     diffs = [f"model.{key}: the dsjax config has {get(dsjax_model)!r} but {where} has "
              f"{hf_key}={get(hf_model)!r}"
              for key, hf_key, get in _COMPARED
              if not math.isclose(get(dsjax_model), get(hf_model), rel_tol=1e-9)]
+    # DeepSeek-V2/V3 fields (all at their "off" defaults for DeepSeek-LLM configs).
+    diffs += [f"model.{key}: the dsjax config has {getattr(dsjax_model, key)!r} but {where} "
+              f"implies {getattr(hf_model, key)!r}"
+              for key in _DEEPSEEK_COMPARED if getattr(dsjax_model, key) != getattr(hf_model, key)]
     if diffs:
         raise ConvertError("config mismatch: " + "; ".join(diffs))
 
@@ -236,6 +461,8 @@ def hf_config(cfg: ModelConfig, torch_dtype: str, template: dict | None = None) 
     where one is known, with every field that defines the weights' math rewritten from `cfg`."""
     out = {k: v for k, v in (template or {}).items()
            if k not in ("rope_parameters", "rope_scaling", "dtype", "torch_dtype")}
+    if is_deepseek_moe(cfg):
+        return _deepseek_hf_config(cfg, torch_dtype, out)
     out.setdefault("max_position_embeddings", 4096)  # DeepSeek-LLM's context; RoPE has no limit
     out.update({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -247,6 +474,54 @@ def hf_config(cfg: ModelConfig, torch_dtype: str, template: dict | None = None) 
         # The transformers 4.x spellings; 5.x reads them too (into `rope_parameters`, `dtype`).
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "torch_dtype": torch_dtype,
     })
+    return dict(sorted(out.items()))
+
+
+def _deepseek_hf_config(cfg: ModelConfig, torch_dtype: str, out: dict) -> dict:
+    """config.json of a DeepSeek-V2 (softmax router) or -V3 (sigmoid router) model."""
+    if cfg.attention != "mla":
+        raise ConvertError("model.attention: transformers' DeepSeek-V2/V3 models use MLA; a MoE "
+                           "model with attention='mha' has no Hugging Face equivalent")
+    v3 = cfg.is_moe and cfg.scoring == "sigmoid"
+    model_type = "deepseek_v3" if v3 else "deepseek_v2"
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "yarn":
+        rope.update({"rope_type": "yarn", **{key: getattr(cfg, field)
+                                             for key, field in _YARN_FIELDS}})
+    out.setdefault("max_position_embeddings", 4096 if cfg.rope_scaling == "none" else
+                   int(cfg.rope_original_max_len * cfg.rope_factor))
+    out.update({
+        "architectures": [DEEPSEEK_ARCHS[model_type]], "model_type": model_type,
+        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads,
+        "intermediate_size": cfg.mlp_dim, "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": False,
+        "tie_word_embeddings": False, "rope_parameters": rope, "dtype": torch_dtype,
+        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        # A dense MLA model: every layer "before" the MoE ones.
+        "first_k_dense_replace": cfg.first_k_dense_replace if cfg.is_moe else cfg.num_layers,
+    })
+    for key in ("head_dim", "qk_head_dim", "rope_theta"):
+        out.pop(key, None)
+    if cfg.is_moe:
+        out.update({
+            "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "num_experts_per_tok": cfg.num_experts_per_tok, "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
+            "norm_topk_prob": cfg.norm_topk_prob})
+        if v3:
+            out.update({"rope_interleave": True, "scoring_func": "sigmoid"})
+        else:
+            out.update({"topk_method": "greedy" if cfg.n_group == 1 else "group_limited_greedy",
+                        "scoring_func": "softmax"})
+            if cfg.norm_topk_prob:
+                raise ConvertError("model.norm_topk_prob: transformers' DeepseekV2 ignores it; "
+                                   "export a softmax router only with norm_topk_prob=False")
+    if v3:
+        out["num_nextn_predict_layers"] = cfg.num_mtp_layers
     return dict(sorted(out.items()))
 
 
@@ -274,7 +549,8 @@ def check_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> dict:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConvertError(f"missing tensor {missing[0]}{more}: the checkpoint does not match "
                            "the config (num_hidden_layers? tie_word_embeddings?)")
-    unexpected = sorted(set(weights.tensors) - set(plan))
+    ignored = _ignored_tensors(weights, cfg)
+    unexpected = sorted(set(weights.tensors) - set(plan) - ignored)
     if unexpected:
         info = weights.tensors[unexpected[0]]
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -286,10 +562,45 @@ def check_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> dict:
             dims = ", ".join(_DIM_NAMES[d] for d in rule.hf_dims)
             raise ConvertError(f"tensor {name} in {info.file}: shape {list(info.shape)}, expected "
                                f"{list(shape)} = [{dims}]")
-        if info.dtype not in FLOAT_TAGS:
+        if info.dtype == FP8_TAG and name + SCALE_SUFFIX in weights.tensors:
+            scale = weights.tensors[name + SCALE_SUFFIX]
+            want = tuple(-(-n // FP8_BLOCK) for n in shape)
+            if scale.shape != want or scale.dtype not in FLOAT_TAGS:
+                raise ConvertError(f"tensor {scale.name} in {scale.file}: {scale.dtype} "
+                                   f"{list(scale.shape)}, expected a float {list(want)} (one "
+                                   f"scale per {FP8_BLOCK}x{FP8_BLOCK} block of {name})")
+        elif info.dtype not in FLOAT_TAGS:
             raise ConvertError(f"tensor {name} in {info.file}: dtype {info.dtype}, expected one "
                                f"of {', '.join(FLOAT_TAGS)}")
     return plan
+
+
+FP8_TAG, SCALE_SUFFIX, FP8_BLOCK = "F8_E4M3", "_scale_inv", 128  # DeepSeek-V3's fp8 release
+
+
+def _ignored_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> set[str]:
+    """Tensors read with others or skipped: fp8 block scales; DeepSeek-V3's MTP modules, stored
+    as layers num_layers.. (skipped, as transformers does)."""
+    ignored = {n for n in weights.tensors if n.endswith(SCALE_SUFFIX)
+               and weights.tensors.get(n[:-len(SCALE_SUFFIX)]) is not None}
+    if is_deepseek_moe(cfg):
+        prefix = "model.layers."
+        for n in weights.tensors:
+            if n.startswith(prefix) and n[len(prefix):].split(".")[0].isdigit() \
+                    and int(n[len(prefix):].split(".")[0]) >= cfg.num_layers:
+                ignored.add(n)
+    return ignored
+
+
+def read_tensor(weights: SafetensorsCheckpoint, name: str) -> np.ndarray:
+    """A tensor as stored, or float32 if it is fp8 with 128x128 block scales (w * scale_inv of
+    its block; DeepSeek-V3's `weight_dequant`)."""
+    w = weights.read(name)
+    if weights.tensors[name].dtype != FP8_TAG:
+        return w
+    scale = np.asarray(weights.read(name + SCALE_SUFFIX), np.float32)
+    full = np.repeat(np.repeat(scale, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
+    return w.astype(np.float32) * full[:w.shape[0], :w.shape[1]]
 
 
 def _require_empty(path: str, flag: str) -> None:
@@ -341,7 +652,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
     leaves = {path: np.empty(shape, np.float32) for path, shape in shapes.items()}
     for name, (rule, layer, _) in plan.items():
         dest = leaves[rule.leaf] if layer is None else leaves[rule.leaf][layer]
-        dest[...] = rule.to_dsjax(weights.read(name), dest.shape)
+        dest[...] = rule.to_dsjax(read_tensor(weights, name), dest.shape)
         if not np.isfinite(dest).all():
             raise ConvertError(f"tensor {name} in {weights.tensors[name].file}: contains NaN or "
                                "Inf; refusing to write a checkpoint with non-finite values")
@@ -435,9 +746,10 @@ def orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
             loaded.clear()
             loaded[rule.leaf] = _restore_leaf(manager, step, rule.leaf, shapes[rule.leaf], where)
         x = loaded[rule.leaf] if layer is None else loaded[rule.leaf][layer]
-        return rule.to_hf(x, hf_shape).astype(DTYPES[tag])
+        return rule.to_hf(x, hf_shape).astype(DTYPES[rule.export_tag or tag])
 
-    files = write_checkpoint(out_dir, [(n, shape, tag) for n, (_, _, shape) in plan.items()],
+    files = write_checkpoint(out_dir, [(n, shape, rule.export_tag or tag)
+                                       for n, (rule, _, shape) in plan.items()],
                              produce, max_shard_bytes)
     sources = list(dict.fromkeys([checkpoint, steps_dir]))
     template_path = next((os.path.join(d, HF_CONFIG_COPY) for d in sources

@@ -14,6 +14,7 @@ hand (1-bit reduction, pipeline transfers) go inside `jax.shard_map` instead.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator, Sequence
 
 import flax.linen as nn
@@ -26,7 +27,8 @@ from dsjax.config import Config, ConfigError
 MESH_AXES = ("data", "tensor", "pipeline")
 
 # Logical name -> mesh axis (or None: replicated). Parameters first, then activations.
-# Keep it short and free of duplicate keys; `fsdp` adds exactly one override (see `logical_rules`).
+# Keep it short and free of duplicate keys; `fsdp` and `pipeline` each add exactly one override
+# (see `logical_rules`).
 RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", "tensor"),
     ("embed", None),
@@ -35,7 +37,10 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
-    ("layers", None),
+    # MoE experts over the data axis, as DeepSpeed-MoE and MaxText do: tokens are already split
+    # over it, so the all-to-all stays inside the data-parallel group (docs/moe.md).
+    ("expert", "data"),
+    ("layers", None),  # with mesh.pipeline > 1: "pipeline" (stages, dsjax/pipeline.py)
     ("act_batch", "data"),
     ("act_seq", None),
     ("act_embed", None),
@@ -46,11 +51,13 @@ RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def logical_rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
-    """The rules table; with `fsdp` the parameters' "embed" axis is also sharded over `data`."""
-    if not fsdp:
-        return RULES
-    return tuple((name, "data" if name == "embed" else axis) for name, axis in RULES)
+def logical_rules(fsdp: bool = False, pipeline: bool = False
+                  ) -> tuple[tuple[str, str | None], ...]:
+    """The rules table; with `fsdp` the parameters' "embed" axis is also sharded over `data`,
+    with `pipeline` (mesh.pipeline > 1) the "layers" axis is split into contiguous stages."""
+    overrides = {**({"embed": "data"} if fsdp else {}),
+                 **({"layers": "pipeline"} if pipeline else {})}
+    return tuple((name, overrides.get(name, axis)) for name, axis in RULES)
 
 
 def validate_mesh(cfg: Config, num_devices: int) -> None:
@@ -73,12 +80,134 @@ def validate_mesh(cfg: Config, num_devices: int) -> None:
                           f"{mesh.data} (needed by mesh.fsdp)")
 
 
+def host_split(cfg: Config, num_devices: int, num_processes: int) -> tuple[int, int]:
+    """(hosts `data` spans, hosts `pipeline` spans): mesh.dcn_data/dcn_pipeline resolved and
+    checked against the process and device counts; each failure names the field.
+
+    A host is a group of whole processes (one process per node, or one per GPU in node order).
+    With fewer processes than hosts (one process simulating several, for tests) a host is a
+    block of consecutive devices. `tensor` never spans hosts: it all-reduces in every layer.
+    """
+    mesh = cfg.mesh
+    if not mesh.dcn_data and num_processes % mesh.dcn_pipeline:
+        raise ConfigError(f"mesh.dcn_pipeline: {num_processes} processes do not split evenly over "
+                          f"the {mesh.dcn_pipeline} hosts pipeline spans")
+    dcn_data = mesh.dcn_data or max(num_processes // mesh.dcn_pipeline, 1)
+    hosts = dcn_data * mesh.dcn_pipeline
+    if num_processes > 1 and num_processes % hosts:
+        raise ConfigError(f"mesh.dcn_data: dcn_data*dcn_pipeline = {hosts} hosts must divide the "
+                          f"{num_processes} processes (a host is a group of whole processes)")
+    if num_devices % hosts:
+        raise ConfigError(f"mesh.dcn_data: {num_devices} devices do not split evenly over "
+                          f"dcn_data*dcn_pipeline = {hosts} hosts")
+    per_host = num_devices // hosts
+    if per_host % mesh.tensor:
+        raise ConfigError(f"mesh.tensor: {mesh.tensor} must fit inside one host ({per_host} "
+                          f"devices per host = {num_devices} devices / {hosts} hosts): tensor "
+                          f"groups all-reduce in every layer and stay on intra-host links (one "
+                          f"process per GPU? set mesh.dcn_data to the number of nodes)")
+    auto = " (0: one host per process)" if not mesh.dcn_data else ""
+    if mesh.data % dcn_data:
+        raise ConfigError(f"mesh.dcn_data: mesh.data {mesh.data} must split evenly over the "
+                          f"{dcn_data} hosts it spans{auto}; raise mesh.data or set "
+                          f"mesh.dcn_pipeline")
+    if mesh.pipeline % mesh.dcn_pipeline:
+        raise ConfigError(f"mesh.dcn_pipeline: mesh.pipeline {mesh.pipeline} must split evenly "
+                          f"over the {mesh.dcn_pipeline} hosts it spans")
+    return dcn_data, mesh.dcn_pipeline
+
+
+def hybrid_device_grid(devices: Sequence[Any], ici_shape: Sequence[int],
+                       dcn_shape: Sequence[int]) -> np.ndarray:
+    """Devices in a mesh of shape ici_shape * dcn_shape where each host holds one contiguous
+    `ici_shape` block: `mesh_utils.create_hybrid_device_mesh(process_is_granule=True)`'s layout,
+    except that a host may be several consecutive processes, or (one process simulating several
+    hosts) a block of consecutive devices. Needs only `.process_index`, `.id` and what
+    `create_device_mesh` reads, so tests can pass stand-in devices."""
+    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+
+    hosts = math.prod(dcn_shape)
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) >= hosts:
+        host_of = {p: i * hosts // len(processes) for i, p in enumerate(processes)}
+        granules = [[d for d in devices if host_of[d.process_index] == h] for h in range(hosts)]
+    else:
+        size = len(devices) // hosts
+        granules = [devices[h * size:(h + 1) * size] for h in range(hosts)]
+    blocks = np.empty(tuple(dcn_shape), dtype=object)
+    for h, index in enumerate(np.ndindex(*dcn_shape)):
+        blocks[index] = mesh_utils.create_device_mesh(ici_shape, granules[h],
+                                                      allow_split_physical_axes=True)
+    return np.block(blocks.tolist())
+
+
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "tensor", "pipeline") mesh over `devices` (default: all), Auto axis types."""
+    """A ("data", "tensor", "pipeline") mesh over `devices` (default: all), Auto axis types.
+
+    Topology-aware: each host holds a contiguous block with whole `tensor` groups, and `data`
+    (then `pipeline`, mesh.dcn_pipeline) spans hosts (see `host_split`). Data index =
+    host * (data / hosts) + index inside the host, which `host_view` relies on.
+    """
     devices = list(jax.devices() if devices is None else devices)
+    return Mesh(mesh_devices(cfg, devices), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def mesh_devices(cfg: Config, devices: Sequence[Any]) -> np.ndarray:
+    """`make_mesh`'s device array (data, tensor, pipeline), checked against the config."""
     validate_mesh(cfg, len(devices))
-    shape = (cfg.mesh.data, cfg.mesh.tensor, cfg.mesh.pipeline)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    dcn_data, dcn_pipeline = host_split(cfg, len(devices),
+                                        len({d.process_index for d in devices}))
+    ici = (cfg.mesh.data // dcn_data, cfg.mesh.tensor, cfg.mesh.pipeline // dcn_pipeline)
+    return hybrid_device_grid(devices, ici, (dcn_data, 1, dcn_pipeline))
+
+
+# 1-bit Adam's hierarchical reduction sees `data` as two axes: hosts (slow links, 1-bit) x data
+# workers inside a host (fast links, exact mean).
+DATA_HOSTS, DATA_LOCAL = "data_hosts", "data_local"
+
+
+def host_view(mesh: Mesh, hosts: int) -> Mesh:
+    """`mesh` with `data` split into (DATA_HOSTS, DATA_LOCAL) = (hosts, data / hosts).
+
+    The same devices in the same order, so P((DATA_HOSTS, DATA_LOCAL), ...) on the view and
+    P("data", ...) on `mesh` are one sharding and nothing moves between them. With make_mesh's
+    layout a DATA_LOCAL group is the data workers of one host.
+    """
+    sizes = dict(mesh.shape)
+    if sizes["data"] % hosts:
+        raise ConfigError(f"mesh.dcn_data: mesh.data {sizes['data']} must split evenly over "
+                          f"{hosts} hosts")
+    shape = (hosts, sizes["data"] // hosts) + tuple(sizes[a] for a in MESH_AXES[1:])
+    return Mesh(mesh.devices.reshape(shape), (DATA_HOSTS, DATA_LOCAL) + MESH_AXES[1:],
+                axis_types=(AxisType.Auto,) * (len(MESH_AXES) + 1))
+
+
+def hierarchical_view(cfg: Config, mesh: Mesh) -> Mesh:
+    """`host_view` at the host boundary `make_mesh` used, for hierarchical 1-bit Adam."""
+    processes = len({d.process_index for d in mesh.devices.flat})
+    hosts, _ = host_split(cfg, mesh.size, processes)
+    if hosts < 2:
+        raise ConfigError("optim.hierarchical: the data axis spans 1 host, so no slow link is "
+                          "left to compress (1-bit would only distort the exact mean); run "
+                          "several processes or set mesh.dcn_data >= 2, or turn it off")
+    return host_view(mesh, hosts)
+
+
+def from_host_view(spec: P) -> P:
+    """A PartitionSpec on `host_view`'s axes -> the same sharding on the mesh's axes."""
+    return P(*("data" if entry == (DATA_HOSTS, DATA_LOCAL) else entry for entry in spec))
+
+
+@contextlib.contextmanager
+def on_view(view: Mesh | None) -> Iterator[None]:
+    """While tracing under `mesh`: lets `jax.shard_map(..., mesh=view)` run (jax checks that a
+    shard_map's mesh is the context mesh; the view has the same devices). None: no-op."""
+    if view is None:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(view.abstract_mesh):
+        yield
 
 
 def logical_to_sharding(logical_tree: Any, mesh: Mesh, rules) -> Any:

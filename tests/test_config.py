@@ -71,7 +71,7 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"data.global_batch": 6}, "data.global_batch"),        # not divisible by mesh.data = 4
-    ({"mesh.pipeline": 2, "mesh.data": 2}, "mesh.pipeline"),
+    ({"mesh.pipeline": 4, "mesh.data": 1}, "model.num_layers"),  # 2 layers over 4 stages
     ({"model.num_kv_heads": 3}, "model.num_kv_heads"),      # 4 heads over 3 kv heads
     ({"model.hidden_size": 66}, "model.num_heads"),         # 66 / 4 heads
     ({"model.num_layers": 0}, "model.num_layers"),

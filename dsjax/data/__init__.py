@@ -14,7 +14,7 @@ class DataError(ValueError):
 from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
 from dsjax.data.shards import PackedSource, ShardWriter  # noqa: E402
 from dsjax.data.pipeline import (  # noqa: E402
-    eval_batches, make_example, train_dataset, train_iterator)
+    SampleStream, eval_batches, make_example, train_dataset, train_iterator)
 from dsjax.data.stdlib_corpus import build_stdlib_corpus  # noqa: E402
 
 
@@ -37,6 +37,7 @@ __all__ = [
     "PackedSource",
     "ShardWriter",
     "train_iterator",
+    "SampleStream",
     "train_dataset",
     "eval_batches",
     "make_example",

@@ -2,10 +2,11 @@
 sequential for eval.
 
 The training order is one global stream: rows shuffled per epoch (Grain folds the epoch number
-into the seed), repeated forever, then process p takes stream items p, p+P, p+2P, ... . So step k's
-global batch is stream items [k*G, (k+1)*G) whatever the number of processes: changing the host
-count never changes which examples a step sees. The iterator's whole state is one index, so it
-checkpoints as a tiny JSON dict.
+into the seed), repeated forever, then process p takes stream items p, p+P, p+2P, ... . Training
+reads it by a global sample cursor (`SampleStream`): a step of G rows is stream items
+[cursor, cursor + G), whatever the number of processes and whatever G was for earlier steps, so a
+batch-size change (dsjax.batching) neither skips nor repeats a sample, and changing the host count
+never changes which examples a step sees. The whole state is the cursor, a tiny JSON dict.
 
 Batch keys, each [batch, seq_len]: inputs, targets (int32), segment_ids, positions (int32; the
 attention mask and RoPE use them), weights (float32; 0 where the target starts a new document).
@@ -39,16 +40,13 @@ def make_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def train_dataset(split_dir: str, seq_len: int, batch_per_process: int, seed: int,
-                  process_index: int = 0, process_count: int = 1):
-    """Infinite `grain.MapDataset` of this process's batches, reshuffled every epoch."""
+def _examples(split_dir: str, seq_len: int, seed: int, process_index: int, process_count: int):
+    """Infinite `grain.MapDataset` of this process's examples: stream items p, p+P, ... ."""
     # Grain imports JAX; loading it here keeps `import dsjax.data` (and the prepare CLI) light.
     import grain  # pylint: disable=g-import-not-at-top
 
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-    if batch_per_process < 1:
-        raise ValueError(f"batch_per_process must be >= 1, got {batch_per_process}")
     source = PackedSource(split_dir, seq_len)
     if len(source) < process_count:
         raise DataError(f"{split_dir}: {len(source)} rows of seq_len={seq_len} cannot feed "
@@ -57,8 +55,64 @@ def train_dataset(split_dir: str, seq_len: int, batch_per_process: int, seed: in
     # shuffle before repeat: ShuffleMapDataset maps index i to epoch i // len and permutes within
     # it with seed + epoch, so every epoch is a fresh permutation and epochs never mix.
     ds = ds.shuffle(seed=int(seed) % 2**32).repeat()
-    ds = ds[process_index::process_count]
-    return ds.map(make_example).batch(batch_per_process, drop_remainder=True)
+    return ds[process_index::process_count].map(make_example)
+
+
+def train_dataset(split_dir: str, seq_len: int, batch_per_process: int, seed: int,
+                  process_index: int = 0, process_count: int = 1):
+    """Infinite `grain.MapDataset` of this process's batches, reshuffled every epoch."""
+    if batch_per_process < 1:
+        raise ValueError(f"batch_per_process must be >= 1, got {batch_per_process}")
+    return _examples(split_dir, seq_len, seed, process_index, process_count).batch(
+        batch_per_process, drop_remainder=True)
+
+
+class SampleStream:
+    """The training stream read by a global sample cursor: `take(n)` returns this process's rows
+    of stream items [cursor, cursor + n) (items p, p+P, ... of them, stacked) and advances the
+    cursor by n. Any sequence of batch sizes therefore reads every sample exactly once, in order;
+    for a fixed size G it yields exactly `train_iterator`'s batches. State: {"cursor": samples
+    consumed, over all processes}; `set_state` also reads a fixed-size iterator's
+    {"next_index": batches} given that size (`legacy_batch`), so older checkpoints resume.
+    `prefetch_rows` rows are read ahead by `prefetch` threads (0: read on `take`).
+    """
+
+    def __init__(self, split_dir: str, seq_len: int, seed: int, process_index: int = 0,
+                 process_count: int = 1, prefetch: int = 2, prefetch_rows: int = 64,
+                 legacy_batch: int = 0):
+        import grain  # pylint: disable=g-import-not-at-top
+
+        ds = _examples(split_dir, seq_len, seed, process_index, process_count)
+        options = grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=prefetch_rows)
+        self._it = iter(ds.to_iter_dataset(options))
+        self.process_count = process_count
+        self.legacy_batch = legacy_batch
+        self.cursor = 0
+
+    def take(self, n: int) -> dict[str, np.ndarray]:
+        """The next n stream items (this process's n / P of them) as one batch."""
+        if n < 1 or n % self.process_count:
+            raise ValueError(f"a batch of {n} rows cannot be split over {self.process_count} "
+                             f"processes")
+        rows = [next(self._it) for _ in range(n // self.process_count)]
+        self.cursor += n
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def get_state(self) -> dict[str, int]:
+        return {"cursor": self.cursor}
+
+    def set_state(self, state: dict) -> None:
+        if "cursor" in state:
+            cursor = int(state["cursor"])
+        elif "next_index" in state and self.legacy_batch:
+            cursor = int(state["next_index"]) * self.legacy_batch
+        else:
+            raise DataError(f"unreadable data iterator state {state!r}")
+        if cursor % self.process_count:
+            raise DataError(f"data cursor {cursor} cannot be split over {self.process_count} "
+                            f"processes")
+        self._it.set_state({"next_index": cursor // self.process_count})
+        self.cursor = cursor
 
 
 def train_iterator(split_dir: str, seq_len: int, batch_per_process: int, seed: int,

@@ -16,14 +16,18 @@ import numpy as np
 from dsjax import fp8, remat
 from dsjax.config import ModelConfig
 from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param
+from dsjax.model.mla import MLA, mla_fields
+from dsjax.model.moe import MoE, moe_fields
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
+AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
 ATTN_MATMULS = ("q", "k", "v", "o")
 MLP_MATMULS = ("gate", "up", "down")
 
 
 class DecoderBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)); shaped for `nn.scan` (returns (carry, None))."""
+    """x + attn(norm(x)), then + mlp(norm(.)); shaped for `nn.scan`: returns (carry, MoE stats
+    {"load": [E], "balance": []} or None)."""
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -35,22 +39,35 @@ class DecoderBlock(nn.Module):
     fp8_matmuls: tuple[str, ...] = ()  # projections run as fp8 GEMMs (see dsjax/fp8.py)
     fp8_recipe: str = "current"
     fp8_history: int = fp8.DEFAULT_HISTORY
+    mla: tuple[tuple[str, Any], ...] = ()  # MLA fields (mla.mla_fields); () = `Attention`
+    moe: tuple[tuple[str, Any], ...] = ()  # MoE fields (moe.moe_fields); () = dense `SwiGLU`
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
         attn_fp8 = tuple(m for m in self.fp8_matmuls if m in ATTN_MATMULS)
         mlp_fp8 = tuple(m for m in self.fp8_matmuls if m in MLP_MATMULS)
-        attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
-                         self.init_std, self.dtype, attn_fp8, self.fp8_recipe, self.fp8_history,
-                         name="attn")
+        if self.mla:
+            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_matmuls=attn_fp8,
+                       fp8_recipe=self.fp8_recipe, fp8_history=self.fp8_history, name="attn")
+        else:
+            attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
+                             self.init_std, self.dtype, attn_fp8, self.fp8_recipe,
+                             self.fp8_history, name="attn")
         h_BSD = x_BSD + attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
                              segment_ids_BS)
         h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)
-        mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, mlp_fp8, self.fp8_recipe,
-                     self.fp8_history, name="mlp")
-        out_BSD = h_BSD + mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
-        return nn.with_logical_constraint(out_BSD, RESIDUAL), None
+        stats = None
+        if self.moe:
+            mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_matmuls=mlp_fp8,
+                      fp8_recipe=self.fp8_recipe, fp8_history=self.fp8_history, name="moe")
+            mlp_BSD, stats = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
+        else:
+            mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, mlp_fp8, self.fp8_recipe,
+                         self.fp8_history, name="mlp")
+            mlp_BSD = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
+        out_BSD = h_BSD + mlp_BSD
+        return nn.with_logical_constraint(out_BSD, RESIDUAL), stats
 
 
 class Transformer(nn.Module):
@@ -73,27 +90,44 @@ class Transformer(nn.Module):
     fp8_history: int = fp8.DEFAULT_HISTORY
     fp8_layers: tuple[bool, ...] = ()
 
-    def _block(self, use_fp8: bool) -> DecoderBlock:
+    def _block(self, use_fp8: bool, moe: bool = False) -> DecoderBlock:
         cfg = self.cfg
         return DecoderBlock(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                             cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype,
-                            self.fp8_matmuls if use_fp8 else (), self.fp8_recipe, self.fp8_history)
+                            self.fp8_matmuls if use_fp8 else (), self.fp8_recipe, self.fp8_history,
+                            mla=mla_fields(cfg) if cfg.attention == "mla" else (),
+                            moe=moe_fields(cfg) if moe else (),
+                            parent=None)  # detached: `run_layers` works on an unbound module too
 
-    def _init_stack(self, rng: jax.Array, collection: str) -> Any:
+    def _stacks(self) -> list[tuple[str, int, int, bool]]:
+        """(param name, first layer, end layer, MoE?) of each scanned stack. Dense models have one,
+        "layers"; MoE models "layers" (the first_k_dense_replace dense blocks, if any), then
+        "moe_layers". Layer indices (remat and fp8 choices) count across both."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        if not cfg.is_moe:
+            return [("layers", 0, L, False)]
+        k = cfg.first_k_dense_replace
+        return ([("layers", 0, k, False)] if k else []) + (
+            [("moe_layers", k, L, True)] if k < L else [])
+
+    def _init_stack(self, rng: jax.Array, collection: str, moe: bool = False,
+                    count: int | None = None) -> Any:
         """Per-layer block variables of `collection` stacked on a new leading "layers" axis."""
         cfg = self.cfg
         x = jnp.zeros((1, 1, cfg.hidden_size), self.dtype)
         pos, seg = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
-        keys = jax.random.split(rng, cfg.num_layers)
-        block = self._block(use_fp8=True)  # every layer carries fp8 state: one uniform layout
+        keys = jax.random.split(rng, cfg.num_layers if count is None else count)
+        block = self._block(use_fp8=True, moe=moe)  # every layer carries fp8 state: one layout
         stacked = jax.vmap(lambda k: block.init(k, x, pos, seg)[collection])(keys)
         boxed = lambda b: isinstance(b, nn.LogicallyPartitioned)
         # fp8 meta leaves are not boxed: they stay replicated (small, and every device needs them).
         return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if boxed(b)
                             else b, stacked, is_leaf=boxed)
 
-    def _layer_fn(self, policy: str, use_fp8: bool, positions_BS, segment_ids_BS):
-        block = self._block(use_fp8)
+    def _layer_fn(self, policy: str, use_fp8: bool, positions_BS, segment_ids_BS,
+                  moe: bool = False):
+        """(x, layer variables) -> (x, MoE stats or None)."""
+        block = self._block(use_fp8, moe)
 
         def apply(x_BSD, variables):
             if fp8.META_COLLECTION in variables:
@@ -101,7 +135,7 @@ class Transformer(nn.Module):
                 # survive slicing. A layer used several times in one grad still max-combines.
                 variables = {**variables, fp8.META_COLLECTION:
                              fp8.with_max_grad(variables[fp8.META_COLLECTION])}
-            return block.apply(variables, x_BSD, positions_BS, segment_ids_BS)[0]
+            return block.apply(variables, x_BSD, positions_BS, segment_ids_BS)
 
         use_remat, checkpoint_policy = remat.checkpoint_policy(policy)
         if not use_remat:
@@ -109,16 +143,18 @@ class Transformer(nn.Module):
         # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.
         return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.scan_unroll)
 
-    def _segments(self) -> list[tuple[int, int, bool, tuple[str, ...]]]:
-        """(start, end, uses fp8, group pattern) of each contiguous run of layers."""
+    def _segments(self, lo: int = 0, hi: int | None = None
+                  ) -> list[tuple[int, int, bool, tuple[str, ...]]]:
+        """(start, end, uses fp8, group pattern) of each contiguous run of layers in [lo, hi)."""
         L = self.cfg.num_layers
+        hi = L if hi is None else hi
         policies = tuple(self.layer_policies) or ("none",) * L
         fp8_on = tuple(self.fp8_layers) or (bool(self.fp8_matmuls),) * L
         if len(policies) != L or len(fp8_on) != L:
             raise ValueError(f"per-layer choices must have num_layers={L} entries")
-        segments, start = [], 0
-        for i in range(1, L + 1):
-            if i == L or fp8_on[i] != fp8_on[start]:
+        segments, start = [], lo
+        for i in range(lo + 1, hi + 1):
+            if i == hi or fp8_on[i] != fp8_on[start]:
                 segments.append((start, i, fp8_on[start],
                                  remat.group_pattern(policies[start:i])))
                 start = i
@@ -126,7 +162,12 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
-                 segment_ids_BS: jax.Array | None = None) -> jax.Array:
+                 segment_ids_BS: jax.Array | None = None, targets_BS: jax.Array | None = None,
+                 weights_BS: jax.Array | None = None) -> jax.Array:
+        """Logits [B, S, V]. With targets and weights (training), MTP modules also run; MoE and
+        MTP models sow their auxiliary terms into the "aux" collection (`AUX_KEYS`), which
+        `apply(..., mutable=["aux"])` returns: "aux_loss" (the weighted sum to add to the mean
+        next-token loss), "moe_load" [MoE layers, E] and "mtp_loss" [num_mtp_layers]."""
         cfg = self.cfg
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
@@ -134,33 +175,128 @@ class Transformer(nn.Module):
             segment_ids_BS = jnp.ones_like(tokens_BS)
         embedding_VD = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size),
                               ("vocab", "embed"), cfg.init_std)
-        x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0).astype(self.dtype)
-        x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
+        x_BSD = embed_tokens(embedding_VD, tokens_BS, self.dtype)
 
-        stack = {"params": self.param("layers", self._init_stack, "params")}
-        if self.fp8_matmuls and self.fp8_recipe == "delayed":
-            stack[fp8.META_COLLECTION] = self.variable(
-                fp8.META_COLLECTION, "layers",
-                lambda: self._init_stack(jax.random.key(0), fp8.META_COLLECTION)).value
-        for start, end, use_fp8, pattern in self._segments():
-            fns = [self._layer_fn(p, use_fp8, positions_BS, segment_ids_BS) for p in pattern]
-            G = len(pattern)
-            grouped = jax.tree.map(
-                lambda a: a[start:end].reshape((end - start) // G, G, *a.shape[1:]), stack)
-
-            def group_body(x_BSD, group_vars, fns=fns):
-                for g, fn in enumerate(fns):
-                    x_BSD = fn(x_BSD, jax.tree.map(lambda a, g=g: a[g], group_vars))
-                return x_BSD, None
-
-            x_BSD, _ = jax.lax.scan(group_body, x_BSD, grouped, unroll=bool(self.scan_unroll))
-
-        x_BSD = RMSNorm(cfg.norm_eps, name="final_norm")(x_BSD)
+        moe_stats = []  # per segment of MoE layers: {"load": [l, E], "balance": [l]}
+        for name, lo, hi, moe in self._stacks():
+            stack = {"params": self.param(name, self._init_stack, "params", moe, hi - lo)}
+            if self.fp8_matmuls and self.fp8_recipe == "delayed":
+                stack[fp8.META_COLLECTION] = self.variable(
+                    fp8.META_COLLECTION, name,
+                    lambda moe=moe, n=hi - lo: self._init_stack(jax.random.key(0),
+                                                                fp8.META_COLLECTION, moe, n)).value
+            x_BSD, stats = self.run_layers(x_BSD, stack, positions_BS, segment_ids_BS, lo, hi,
+                                           moe)
+            moe_stats += stats
         head_DV = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                          cfg.init_std)
-        logits_BSV = jnp.einsum("BSD,DV->BSV", x_BSD, head_DV.astype(self.dtype),
-                                preferred_element_type=jnp.float32)
-        return nn.with_logical_constraint(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
+        aux_loss = jnp.zeros((), jnp.float32)
+        if cfg.num_mtp_layers:
+            mtp_losses, mtp_stats = self._mtp(x_BSD, embedding_VD, head_DV, tokens_BS,
+                                              positions_BS, segment_ids_BS, targets_BS,
+                                              weights_BS)
+            moe_stats += mtp_stats
+            if mtp_losses is not None:
+                self.sow(AUX, "mtp_loss", mtp_losses)
+                aux_loss += cfg.mtp_loss_weight * jnp.mean(mtp_losses)
+        if moe_stats:
+            # The sequence-wise balance loss of every MoE layer (DeepSeek-V3 eq. 17), and the
+            # per-expert load the training step logs and balances the router bias with.
+            balance = jnp.concatenate([s["balance"] for s in moe_stats])
+            aux_loss += cfg.aux_loss_alpha * jnp.sum(balance)
+            self.sow(AUX, "moe_load", jnp.concatenate([s["load"] for s in moe_stats]))
+        if moe_stats or cfg.num_mtp_layers:
+            self.sow(AUX, "aux_loss", aux_loss)
+
+        x_BSD = RMSNorm(cfg.norm_eps, name="final_norm")(x_BSD)
+        return output_logits(x_BSD, head_DV, self.dtype)
+
+    def _mtp(self, h_BSD, embedding_VD, head_DV, tokens_BS, positions_BS, segment_ids_BS,
+             targets_BS, weights_BS):
+        """Multi-token prediction (DeepSeek-V3 §2.2): module k maps [enorm(emb(t_{i+k}));
+        hnorm(h^{k-1}_i)] through eh_proj and one decoder block to h^k_i, whose norm and the shared
+        head predict t_{i+k+1}. h^0 is the main model's last hidden state (before final_norm).
+        Params exist always; the modules run only with targets (training): (mean loss per
+        module [n] or None, MoE stats of the modules' blocks)."""
+        cfg, n, D = self.cfg, self.cfg.num_mtp_layers, self.cfg.hidden_size
+        norms = {k: self.param(f"mtp_{k}", nn.with_logical_partitioning(
+            nn.initializers.ones, ("layers", "norm")), (n, D), jnp.float32)
+                 for k in ("enorm", "hnorm", "norm")}
+        eh_proj = _param(self, "mtp_eh_proj", (n, 2 * D, D), ("layers", None, "embed"),
+                         cfg.init_std)
+        blocks = self.param("mtp_layers", self._init_stack, "params", cfg.is_moe, n)
+        if targets_BS is None or weights_BS is None:
+            return None, []
+        block = self._layer_fn("none", False, positions_BS, segment_ids_BS, cfg.is_moe)
+
+        def rms(x, scale):
+            x32 = x.astype(jnp.float32)
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
+            return (scale * y).astype(x.dtype)
+
+        def ahead(a_BS, k):  # a[:, i + k], zero past the row
+            return jnp.pad(a_BS[:, k:], ((0, 0), (0, k)))
+
+        losses, stats, valid_BS = [], [], weights_BS
+        for k in range(1, n + 1):
+            e_BSD = embed_tokens(embedding_VD, ahead(tokens_BS, k), self.dtype)
+            cat_BSE = jnp.concatenate([rms(e_BSD, norms["enorm"][k - 1]),
+                                       rms(h_BSD, norms["hnorm"][k - 1])], axis=-1)
+            h_BSD = jnp.einsum("BSE,ED->BSD", cat_BSE, eh_proj[k - 1].astype(self.dtype))
+            h_BSD, s = block(h_BSD, {"params": jax.tree.map(lambda a, k=k: a[k - 1], blocks)})
+            if s is not None:
+                stats.append(jax.tree.map(lambda a: a[None], s))
+            logits_BSV = output_logits(rms(h_BSD, norms["norm"][k - 1]), head_DV, self.dtype)
+            # Target t_{i+k+1} = targets[i + k]; valid while positions i..i+k each predict
+            # within one document (their weights are all 1).
+            valid_BS = valid_BS * ahead(weights_BS, k)
+            nll, count = weighted_cross_entropy(logits_BSV, ahead(targets_BS, k), valid_BS)
+            losses.append(nll / jnp.maximum(count, 1.0))
+        return jnp.stack(losses), stats
+
+    def run_layers(self, x_BSD: jax.Array, stack: Any, positions_BS: jax.Array,
+                   segment_ids_BS: jax.Array, lo: int = 0, hi: int | None = None,
+                   moe: bool = False) -> tuple[jax.Array, list[Any]]:
+        """Layers [lo, hi) (default: all) on x [B, S, D]. `stack` holds their variables
+        ({"params": ...}, with delayed fp8 also {"fp8_meta": ...}) on a leading axis of hi - lo.
+        Returns x and the MoE stats of each segment (empty for dense layers). Needs no bound
+        module: a pipeline stage runs its slice of the stack through it (dsjax/pipeline.py)."""
+        hi = self.cfg.num_layers if hi is None else hi
+        moe_stats = []
+        for start, end, use_fp8, pattern in self._segments(lo, hi):
+            fns = [self._layer_fn(p, use_fp8, positions_BS, segment_ids_BS, moe)
+                   for p in pattern]
+            G = len(pattern)
+            grouped = jax.tree.map(
+                lambda a: a[start - lo:end - lo].reshape((end - start) // G, G, *a.shape[1:]),
+                stack)
+
+            def group_body(x_BSD, group_vars, fns=fns):
+                stats = []
+                for g, fn in enumerate(fns):
+                    x_BSD, s = fn(x_BSD, jax.tree.map(lambda a, g=g: a[g], group_vars))
+                    stats.append(s)
+                return x_BSD, stats
+
+            x_BSD, stats = jax.lax.scan(group_body, x_BSD, grouped,
+                                        unroll=bool(self.scan_unroll))
+            if moe:  # [groups] per member -> layer order [groups * G]
+                moe_stats.append(jax.tree.map(
+                    lambda *m: jnp.stack(m, axis=1).reshape(-1, *m[0].shape[1:]), *stats))
+        return x_BSD, moe_stats
+
+
+def embed_tokens(embedding_VD: jax.Array, tokens_BS: jax.Array, dtype: Any) -> jax.Array:
+    """tokens [B, S] -> x [B, S, D] in the compute dtype."""
+    x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0).astype(dtype)
+    return nn.with_logical_constraint(x_BSD, RESIDUAL)
+
+
+def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
+    """The output head on final-normed x [B, S, D] -> float32 logits [B, S, V]."""
+    logits_BSV = jnp.einsum("BSD,DV->BSV", x_BSD, head_DV.astype(dtype),
+                            preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
 
 
 def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,

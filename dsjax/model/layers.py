@@ -22,11 +22,13 @@ from dsjax import fp8
 Dtype = Any
 
 
-def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """One projection matmul: fp8 GEMMs if the precision policy names it, else the compute dtype.
+def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array,
+             policy_name: str | None = None) -> jax.Array:
+    """One projection matmul: fp8 GEMMs if the precision policy names it (`policy_name`, default
+    `name`), else the compute dtype.
 
     fp8 takes the float32 weight directly (quantising it skips a bf16 rounding)."""
-    if name in module.fp8_matmuls:
+    if (policy_name or name) in module.fp8_matmuls:
         meta = (fp8.meta_variable(module, name, module.fp8_history)
                 if module.fp8_recipe == "delayed" else None)
         return fp8.fp8_einsum(eq, x, w, recipe=module.fp8_recipe, out_dtype=module.dtype,

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import optax
 
+from dsjax import sharding
 from dsjax.config import OptimConfig
 from dsjax.optim.onebit import OneBitAdam, onebit_adam
 
@@ -39,11 +40,15 @@ def make_optimizer(cfg: OptimConfig, total_steps: int
     """(optimizer, lr schedule of the number of steps taken) for `cfg.name`."""
     schedule = make_schedule(cfg, total_steps)
     if cfg.name == "onebit_adam":
+        # Hierarchical: the axes of `sharding.host_view`, 1-bit across hosts and exact inside
+        # one; the train step runs the optimizer on that view of the mesh (docs/multihost.md).
+        axes = ((sharding.DATA_HOSTS, sharding.DATA_LOCAL) if cfg.hierarchical
+                else ("data", None))
         return onebit_adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
                            freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
-                           bucket_bytes=int(cfg.bucket_mb * 2**20), axis_name="data",
-                           error_feedback=cfg.error_feedback), schedule
+                           bucket_bytes=int(cfg.bucket_mb * 2**20), axis_name=axes[0],
+                           fast_axis=axes[1], error_feedback=cfg.error_feedback), schedule
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
