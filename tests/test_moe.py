@@ -152,11 +152,10 @@ def test_router_choices_and_moe_output_match_per_layer(converted):
         assert float(stats["load"].sum()) == x.shape[0] * x.shape[1] * cfg.num_experts_per_tok
 
 
+@pytest.mark.parametrize("converted", [3], ids=["v3"], indirect=True)  # V2 has no bias
 def test_correction_bias_changes_choices(converted):
     """The bias must matter (else the V3 parity above could not catch a dropped bias)."""
-    version, _, _, cfg, params = converted
-    if version == 2:
-        pytest.skip("V2 has no correction bias")
+    _, _, _, cfg, params = converted
     layer = jax.tree.map(lambda a: a[0], params["moe_layers"]["moe"])
     x = jax.random.normal(jax.random.key(0), (64, cfg.hidden_size))
     kw = dict(k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
