@@ -5,8 +5,8 @@ head, norms and the attention core stay in bf16/fp32), selective recomputation `
 (benchmarks/results/remat_deepseek_7b.txt: 34% of `none`'s activation memory for +4.6% FLOPs),
 1-bit Adam with error compensation after 20% of the steps (benchmarks/results/comm_bytes_*.json:
 the compressed step sends ~1/32 of the warmup step's data-parallel bytes), the adaptive batch
-size between 512 and 2048 rows with gradient accumulation (#8). Pipeline parallelism (#7) has
-landed but stays off here: it does not compose with 1-bit Adam yet (see the pipeline block).
+size between 512 and 2048 rows with gradient accumulation (#8), and tensor x pipeline x data
+parallelism (2 x 2 x 2, 1f1b schedule, #7), the XLA overlap flag profile (#10).
 
 Run on 8 H100s:  python launch.py --config configs/h100_fp8.py --config.data.path=DIR
 On CPU (everything landed, on a tiny model):  python launch.py --config configs/h100_fp8.py:smoke
@@ -46,18 +46,22 @@ def get_config(arg=None):
         target_step_ms=0.0,             # no step-time rule: with accumulation a step's time
                                         # grows with the batch by design (docs/batching.md)
         patience=3, cooldown=10))
-    # Pipeline parallelism (#7) stays off here: 1-bit Adam's gradient shard_map (manual over
-    # `data`) does not compose with the pipeline's (manual over `pipeline`) yet. With
-    # optim.name=adamw and batch.policy=fixed the recipe's split is --config.mesh.data=1
-    # --config.mesh.pipeline=2 (tensor 4 x pipeline 2), schedule below (docs/pipeline.md).
+    # Tensor x pipeline x data on 8 GPUs: 2 x 2 x 2 keeps two data-parallel workers for 1-bit
+    # Adam (the recipe's tensor 4 x pipeline 2 needs 16 GPUs for that: --config.mesh.tensor=4).
+    # 1f1b: activation memory flat in the microbatch count (docs/pipeline.md); the pipeline's
+    # shard_map nests inside 1-bit Adam's gradient shard_map.
+    c.mesh.update(dict(data=2, tensor=2, pipeline=2))
     c.pipeline.update(dict(schedule="1f1b", microbatches=8, repeats=1))
+    c.batch.micro_batch = 8             # rows per replica per micro-step: the 8 pipeline microbatches
     if arg == "smoke":
+        c.mesh.update(dict(data=2, tensor=2, pipeline=2))
         c.pipeline.microbatches = 2     # pipelined smoke: mesh (2, 2, 2), 8 rows
         c.fp8.other_dtype = "float32"   # CPUs have no fast bf16; fp8 GEMMs are emulated exactly
         c.data.global_batch = 8         # 2 rows per data-parallel replica
-        # A two-rung ladder and micro-batch 1, so accumulation (2, then 4 micro-steps) composes
+        # A two-rung ladder and micro-batch 2 (the 2 pipeline microbatches of one row), so
+        # accumulation (2, then 4 micro-steps) composes
         # with fp8 and 1-bit Adam; CPU reports no memory limit, so adaptive grows once the
         # cooldown is over. Deterministic (no step-time rule): resuming reproduces the run.
-        c.batch.update(dict(ladder="8,16", reference_batch=8, micro_batch=1, patience=2,
+        c.batch.update(dict(ladder="8,16", reference_batch=8, micro_batch=2, patience=2,
                             cooldown=2))
     return c

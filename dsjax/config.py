@@ -461,6 +461,9 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError(f"data.global_batch: {cfg.data.global_batch} is not divisible by "
                           f"mesh.data x pipeline.microbatches = {cfg.mesh.data} x "
                           f"{p.microbatches}")
+    if cfg.batch.micro_batch % p.microbatches:
+        raise ConfigError(f"batch.micro_batch: {cfg.batch.micro_batch} rows per replica do not "
+                          f"split into pipeline.microbatches {p.microbatches}")
     # Every stage runs one program, so every chunk of layers must make the same choices.
     chunk = L // (S * R)
     if cfg.remat.policy != "auto":
@@ -483,9 +486,6 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError("mesh.fsdp: not with mesh.pipeline > 1 yet (XLA's SPMD partitioner "
                           "fails on data-sharded weights inside the pipeline's shard_map); the "
                           "stages already split the layer weights")
-    if cfg.optim.name == "onebit_adam":
-        raise ConfigError("optim.name: 'onebit_adam' does not compose with mesh.pipeline > 1 "
-                          "(its gradient shard_map is manual over `data` only); use 'adamw'")
     if cfg.train.compute_dtype == "float16" and p.schedule == "1f1b":
         raise ConfigError("train.compute_dtype: float16 loss scaling does not reach inside the "
                           "1f1b schedule's own backward; use bfloat16, or pipeline.schedule "

@@ -254,7 +254,12 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
 
         def objective(params, fp8_meta, micro):
             with nn.logical_axis_rules(local_rules):
-                total, _ = nll_sum(params, state.apply_fn, micro, fp8_meta)
+                if isinstance(state.apply_fn, pipeline.Pipelined):
+                    # The pipeline's shard_map (manual over `pipeline`) nests inside this one.
+                    mean, local = state.apply_fn.loss(params, micro, fp8_meta)
+                    total = mean * jnp.maximum(local, 1.0)
+                else:
+                    total, _ = nll_sum(params, state.apply_fn, micro, fp8_meta)
             return ls.scale_loss(loss_scale, total * share), total
 
         if typed:
@@ -409,8 +414,11 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
                   if cfg.train.compute_dtype == "float16" else ls.skip_policy())
 
     # mesh.pipeline > 1: `loss_fn` streams microbatches through the stages (dsjax/pipeline.py).
-    apply_fn = (pipeline.make(model, cfg.pipeline, cfg.mesh.pipeline,
-                              typed=cfg.train.compute_dtype != "fp8")
+    # Shard_maps are typed (check_vma) except for fp8 (see `onebit_step`) and for a pipeline
+    # nested in 1-bit Adam's gradient shard_map (the schedule types its values over `pipeline`
+    # alone; inside, they also vary over `data`).
+    typed = cfg.train.compute_dtype != "fp8" and not (onebit and cfg.mesh.pipeline > 1)
+    apply_fn = (pipeline.make(model, cfg.pipeline, cfg.mesh.pipeline, typed=typed)
                 if cfg.mesh.pipeline > 1 else model.apply)
 
     def init_boxed(rng):
@@ -453,7 +461,7 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
         init_fn = jax.jit(init_onebit, out_shardings=state_shardings)
         phase = functools.partial(onebit_step, param_specs=param_specs,
                                   clip_norm=cfg.optim.clip_norm,
-                                  typed=cfg.train.compute_dtype != "fp8", opt_mesh=opt_mesh)
+                                  typed=typed, opt_mesh=opt_mesh)
         phases = [functools.partial(phase, compressed=c) for c in (False, True)]
     batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
     step_fn, *compressed = [

@@ -655,7 +655,8 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
     assert (cfg["optim"]["name"], cfg["train"]["compute_dtype"], cfg["fp8"]["recipe"],
             cfg["remat"]["policy"], cfg["mesh"]["fsdp"]) == (
                 "onebit_adam", "fp8", "current", "attention_core", False)
-    assert (cfg["mesh"]["data"], cfg["mesh"]["tensor"], cfg["mesh"]["pipeline"]) == (4, 2, 1)
+    assert (cfg["mesh"]["data"], cfg["mesh"]["tensor"], cfg["mesh"]["pipeline"]) == (2, 2, 2)
+    assert cfg["pipeline"]["schedule"] == "1f1b" and cfg["batch"]["policy"] == "adaptive"
     records = _records(workdir)
     assert [r["onebit_compressed"] for r in records] == [0, 0, 1, 1, 1, 1]
     losses = [r["loss"] for r in records]
@@ -681,8 +682,8 @@ def test_resume_in_the_compressed_phase_is_bit_exact(smoke_run, tmp_path):
 def test_resume_on_another_data_size_resets_the_errors(smoke_run, tmp_path):
     workdir, _ = smoke_run
     resumed = str(tmp_path / "data8")
-    proc, records = _resume_from_step_4(workdir, resumed, {"mesh.data": 8, "mesh.tensor": 1})
-    assert ("warning: checkpoint step 4 was written with mesh.data 4, this run has mesh.data 8; "
+    proc, records = _resume_from_step_4(workdir, resumed, {"mesh.data": 4, "mesh.tensor": 1})
+    assert ("warning: checkpoint step 4 was written with mesh.data 2, this run has mesh.data 4; "
             "1-bit Adam's error buffers restart from zero") in proc.stdout, proc.stdout
     assert [r["step"] for r in records] == [5, 6]
     assert all(np.isfinite(r["loss"]) for r in records)
@@ -694,4 +695,4 @@ def test_resume_on_another_data_size_resets_the_errors(smoke_run, tmp_path):
     checkpointer = Checkpointer(os.path.join(resumed, "checkpoints"))
     layout = checkpointer.read_meta(6)["errors_layout"]
     checkpointer.close()
-    assert layout["mesh"]["data"] == 8 and all(shape[0] == 8 for shape in layout["shapes"])
+    assert layout["mesh"]["data"] == 4 and all(shape[0] == 4 for shape in layout["shapes"])
