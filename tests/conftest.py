@@ -54,6 +54,23 @@ TINY_FLAGS = {
 }
 
 
+def read_records(workdir):
+    """The run's metrics.jsonl, one dict per line."""
+    import json
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def load_safetensors_dir(directory):
+    """Every tensor of every .safetensors file in `directory` (torch tensors, by name)."""
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
 def run_launch(workdir, overrides=None, mode="train", config="configs/cpu_tiny.py", timeout=600,
                xla_flags=None):
     """Runs `python launch.py` as a user would; returns the CompletedProcess. Without `xla_flags`

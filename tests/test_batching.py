@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, random_batch, run_launch
+from conftest import ROOT, TINY_FLAGS, random_batch, read_records, run_launch
 from dsjax import batching, fp8
 from dsjax import config as config_lib
 from dsjax.config import BatchConfig, ConfigError
@@ -488,11 +488,6 @@ ADAPTIVE = {"data.global_batch": 8, "batch.policy": "adaptive", "batch.ladder": 
             "metrics.peak_flops_per_device": 1e12, "metrics.profile_every": 0}
 
 
-def _records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 @pytest.fixture(scope="module")
 def adaptive_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("adaptive") / "run")
@@ -504,7 +499,7 @@ def adaptive_run(tmp_path_factory):
 @pytest.mark.slow
 def test_run_changes_batch_size_with_accumulation_and_records_it(adaptive_run):
     workdir, proc = adaptive_run
-    records = _records(workdir)
+    records = read_records(workdir)
     # No memory limit on CPU and no step-time rule: grow after one reading. Step 1's reading is
     # taken after step 2 is dispatched, so step 3 is the first at 16 rows.
     assert [r["batch_size"] for r in records] == [8, 8, 16, 16, 16]
@@ -537,8 +532,8 @@ def test_resume_right_after_a_batch_change_reproduces_the_losses(adaptive_run, t
     proc = run_launch(resumed, ADAPTIVE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 3" in proc.stdout
-    records = _records(resumed)
+    records = read_records(resumed)
     assert [r["step"] for r in records] == [4, 5]
     assert [r["batch_size"] for r in records] == [16, 16]
     # Same mesh, same CPU, same samples, same controller state: bit-identical losses.
-    assert [r["loss"] for r in records] == [r["loss"] for r in _records(workdir)[3:]]
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_records(workdir)[3:]]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from conftest import ROOT
+from conftest import ROOT, load_safetensors_dir
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import convert
@@ -102,14 +102,6 @@ def _tensor_bits(t):
     return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
 
 
-def _load_all(directory):
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
-
-
 def _write_tokenizer(directory):
     from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
 
@@ -131,7 +123,7 @@ def test_round_trip_is_bit_exact(tmp_path, dtype, shard):
     files = convert.orbax_to_hf(ckpt_dir, out, dtype=dtype, max_shard_bytes=40_000, log=quiet)
     assert len(files) > 2 and "model.safetensors.index.json" in files  # sharded on export
 
-    before, after = _load_all(src), _load_all(out)
+    before, after = load_safetensors_dir(src), load_safetensors_dir(out)
     assert sorted(before) == sorted(after)
     for name, t in before.items():
         assert after[name].dtype == t.dtype == torch_dtype, name

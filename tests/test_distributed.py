@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, run_launch
+from conftest import ROOT, TINY_FLAGS, read_records, run_launch
 from dsjax import config as config_lib
 from dsjax import distributed, sharding, xla_flags
 from dsjax.config import ConfigError
@@ -60,11 +60,6 @@ def test_layout_of_a_single_process_mesh():
     text = distributed.describe_layout(mesh)
     assert "over 1 process(es)" in text and "process 0: 8 devices" in text
     assert distributed.tensor_groups_local(mesh)
-
-
-def _records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def _launch_processes(workdir, flags, num_processes, logdir, timeout_s=240, while_running=None):
@@ -140,7 +135,7 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
 
     proc = run_launch(one, flags, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    multi, single = _records(two), _records(one)
+    multi, single = read_records(two), read_records(one)
     assert [r["step"] for r in multi] == [1, 2, 3]  # process 0 alone wrote metrics.jsonl
     # Same global batch (rows in another order) and the same program on the same mesh shape;
     # only the order of float32 sums differs.

@@ -19,6 +19,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForC
                           DeepseekV3Config, DeepseekV3ForCausalLM)
 from transformers.utils import logging as hf_logging
 
+from conftest import load_safetensors_dir
 from dsjax import checkpoint as ckpt
 from dsjax import convert
 from dsjax.model import Transformer
@@ -165,20 +166,12 @@ def test_correction_bias_changes_choices(converted):
     assert np.mean(np.sort(with_bias, -1) != np.sort(without, -1)) > 0.05
 
 
-def _load_all(directory):
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
-
-
 def test_export_is_bit_exact_and_loads_in_transformers(converted, tmp_path):
     version, hf_dir, model, cfg, _ = converted
     ckpt_dir, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     convert.hf_to_orbax(hf_dir, ckpt_dir, log=quiet)
     convert.orbax_to_hf(ckpt_dir, out, dtype="bfloat16", log=quiet)
-    before, after = _load_all(hf_dir), _load_all(out)
+    before, after = load_safetensors_dir(hf_dir), load_safetensors_dir(out)
     assert sorted(before) == sorted(after)
     for name, t in before.items():
         if name.endswith("e_score_correction_bias"):

@@ -17,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from conftest import ROOT, TINY_FLAGS, random_batch, run_launch
+from conftest import ROOT, TINY_FLAGS, random_batch, read_records, run_launch
 from dsjax import config as config_lib
 from dsjax import metrics as mx
 from dsjax import sharding
@@ -624,18 +624,13 @@ SMOKE = {"model.hidden_size": 128, "model.num_kv_heads": 4, "model.mlp_dim": 256
          "train.sample_tokens": 0, "metrics.peak_flops_per_device": 1e12}
 
 
-def _records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def _resume_from_step_4(source, workdir, overrides=None):
     shutil.copytree(os.path.join(source, "checkpoints", "4"),
                     os.path.join(workdir, "checkpoints", "4"))
     proc = run_launch(workdir, {**SMOKE, **(overrides or {})}, config="configs/h100_fp8.py:smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 4" in proc.stdout
-    return proc, _records(workdir)
+    return proc, read_records(workdir)
 
 
 @pytest.fixture(scope="module")
@@ -657,7 +652,7 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
                 "onebit_adam", "fp8", "current", "attention_core", False)
     assert (cfg["mesh"]["data"], cfg["mesh"]["tensor"], cfg["mesh"]["pipeline"]) == (2, 2, 2)
     assert cfg["pipeline"]["schedule"] == "1f1b" and cfg["batch"]["policy"] == "adaptive"
-    records = _records(workdir)
+    records = read_records(workdir)
     assert [r["onebit_compressed"] for r in records] == [0, 0, 1, 1, 1, 1]
     losses = [r["loss"] for r in records]
     assert all(np.isfinite(losses)), losses
@@ -675,7 +670,7 @@ def test_resume_in_the_compressed_phase_is_bit_exact(smoke_run, tmp_path):
     # Same mesh, same CPU, same data position, and the error buffers restored: step 5's update
     # uses them, so step 6's loss would differ if they had been reset.
     assert [r["step"] for r in records] == [5, 6]
-    assert [r["loss"] for r in records] == [r["loss"] for r in _records(workdir)[4:]]
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_records(workdir)[4:]]
 
 
 @pytest.mark.slow
@@ -690,7 +685,7 @@ def test_resume_on_another_data_size_resets_the_errors(smoke_run, tmp_path):
     # Step 5's loss comes from the restored params. Not to float32 rounding: fp8 current scaling
     # takes each worker's amax, and 8 workers of 1 row quantise otherwise than 4 of 2 (measured
     # 4.6708 vs 4.6716); wrong params would be off by > 0.5 (step 4's loss is 5.52).
-    assert records[0]["loss"] == pytest.approx(_records(workdir)[4]["loss"], abs=0.05)
+    assert records[0]["loss"] == pytest.approx(read_records(workdir)[4]["loss"], abs=0.05)
     # The run went on and checkpointed its own layout: 8 workers' rows.
     checkpointer = Checkpointer(os.path.join(resumed, "checkpoints"))
     layout = checkpointer.read_meta(6)["errors_layout"]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, random_batch, run_launch
+from conftest import ROOT, random_batch, read_records, run_launch
 from dsjax import config as config_lib
 from dsjax.train import build_trainer
 
@@ -17,11 +17,6 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "samples_per
                "mfu", "batch_size"}
 SUMMARY_KEYS = {"config", "mesh", "param_count", "steps", "final_train_loss", "eval_loss",
                 "eval_bits_per_byte", "median_tokens_per_sec", "median_step_ms", "mfu"}
-
-
-def _records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +29,7 @@ def finished_run(tmp_path_factory):
 
 def test_run_directory_contract(finished_run):
     workdir, proc = finished_run
-    records = _records(workdir)
+    records = read_records(workdir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
@@ -71,7 +66,7 @@ def test_resumed_run_continues_with_the_same_losses(finished_run, tmp_path):
     proc = run_launch(resumed, {"metrics.profile_every": 3})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 2" in proc.stdout
-    first, second = _records(workdir), _records(resumed)
+    first, second = read_records(workdir), read_records(resumed)
     assert [r["step"] for r in second] == [3, 4]
     # Same mesh, same CPU, same data position: bit-for-bit.
     assert [r["loss"] for r in second] == [r["loss"] for r in first[2:]]
