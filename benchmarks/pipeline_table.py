@@ -61,7 +61,7 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
             "collective_permutes": len(_PERMUTE.findall(hlo)),
             "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
-                                               repeats),
+                                               repeats, moe=cfg.model.n_routed_experts > 0),
             "global_batch": batch,
             "ticks": pipeline.ticks(schedule, cfg.mesh.pipeline, microbatches, repeats),
             "compile_s": time.perf_counter() - t0}

@@ -490,10 +490,20 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError("train.compute_dtype: float16 loss scaling does not reach inside the "
                           "1f1b schedule's own backward; use bfloat16, or pipeline.schedule "
                           "gpipe/circular")
-    for key in ("n_routed_experts", "num_mtp_layers"):
-        if getattr(cfg.model, key):
-            raise ConfigError(f"model.{key}: mesh.pipeline > 1 pipelines dense decoders only "
-                              f"(MoE and MTP add losses outside the layer stack)")
+    m = cfg.model
+    if m.num_mtp_layers:
+        raise ConfigError(f"model.num_mtp_layers: MTP modules do not run under mesh.pipeline > 1 "
+                          f"yet (they need the last stage's hidden states); got "
+                          f"{m.num_mtp_layers}, use 0 or mesh.pipeline = 1")
+    if m.is_moe and m.first_k_dense_replace:
+        # Every stage runs one program on one stacked layer layout (dsjax/pipeline.py).
+        raise ConfigError(f"model.first_k_dense_replace: with mesh.pipeline > 1 every layer must "
+                          f"be a MoE block (one stack split into stages); got "
+                          f"{m.first_k_dense_replace}, use 0 or mesh.pipeline = 1")
+    if m.is_moe and not m.expert_parallel and cfg.mesh.data > 1 and cfg.mesh.tensor > 1:
+        raise ConfigError("model.expert_parallel: the dense fallback (experts sharded over "
+                          "`data` under GSPMD) fails XLA's SPMD partitioner inside the "
+                          "pipeline's shard_map when mesh.tensor > 1; set expert_parallel=True")
 
 
 def validate(cfg: Config) -> None:

@@ -24,7 +24,8 @@ Schedules, for S stages, M microbatches, R repeats (bubble = idle share of a sta
   2S - 1 stage inputs whatever M is, so activation memory is flat in M. The backward recomputes
   its stage's forward from the stashed input (one extra stage forward per microbatch: stashing
   the vjp residuals instead would also stash casts of the weights, once per microbatch in
-  flight). Idle slots are skipped with `lax.cond`, so the bubble is GPipe's (S-1)/(M+S-1).
+  flight). Idle slots are skipped with `lax.cond`, so the bubble is GPipe's (S-1)/(M+S-1)
+  (MoE models compute them: see `_one_f_one_b`).
   The loss is a `jax.custom_vjp` whose forward runs the whole schedule and whose backward
   returns the gradients it computed, so `train_step` differentiates it like any loss.
 
@@ -36,6 +37,10 @@ of the outputs, then M/S microbatches' head and loss per stage), on the last sta
 
 Microbatch m of a global batch [B, ...] is rows m, M + m, 2M + m, ...: the reshape
 [B] -> [B/M, M] keeps the `data` sharding of the rows, so no data moves.
+
+MoE models (every layer a MoE block, stack "moe_layers"): each stage also returns its blocks'
+balance terms and expert loads, which the schedules sum over microbatches, so the loss comes with
+the unpipelined model's "aux" terms for the whole batch (`Pipelined.loss_and_aux`).
 """
 
 from __future__ import annotations
@@ -58,9 +63,13 @@ STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
 MICRO_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
-def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The analytic idle share of a stage's time (0 without pipelining)."""
+def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1,
+                    moe: bool = False) -> float:
+    """The analytic idle share of a stage's time (0 without pipelining). `moe`: 1f1b cannot skip
+    idle ticks of MoE stages (see `Pipelined`), so they cost 2(S-1) ticks, not S-1."""
     S, M = stages, microbatches
+    if schedule == "1f1b" and moe:
+        return 2 * (S - 1) / (M + 2 * (S - 1))
     R = repeats if schedule == "circular" else 1
     return (S - 1) / (R * M + S - 1)
 
@@ -85,6 +94,7 @@ class Pipelined:
     microbatches: int = 1
     repeats: int = 1
     typed: bool = True  # shard_map check_vma; False for fp8 (see dsjax/train.py `onebit_step`)
+                        # and expert-parallel MoE (see `make`)
 
     def __call__(self, variables, *args, **kwargs):
         return self.model.apply(variables, *args, **kwargs)
@@ -101,9 +111,28 @@ class Pipelined:
                        layer_policies=tuple(m.layer_policies)[:n],
                        fp8_layers=tuple(m.fp8_layers)[:n])
 
+    @property
+    def stack(self) -> str:
+        """The params key of the pipelined layer stack. Config validation makes every layer of a
+        MoE model a MoE block under a pipeline (`first_k_dense_replace` 0), so there is one."""
+        return "moe_layers" if self.model.cfg.is_moe else "layers"
+
     def loss(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
              ) -> tuple[jax.Array, jax.Array]:
-        """(mean next-token NLL over the global batch, weight sum), like `train.loss_fn`."""
+        """(mean next-token NLL over the global batch, weight sum): `loss_and_aux` without the
+        auxiliary terms (a dense model has none)."""
+        return self.loss_and_aux(params, batch, fp8_meta)[:2]
+
+    def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
+                     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(mean next-token NLL, weight sum, auxiliary terms), like `train.loss_and_aux`. A MoE
+        model's terms are the unpipelined model's for the whole batch: "aux_loss" = alpha x the
+        balance loss summed over layers (each layer's mean over rows: the mean over microbatches
+        of their row means) and "moe_load" [L, E] (assignment counts summed over microbatches).
+        gpipe/circular: `jax.grad` differentiates each term. 1f1b differentiates the training
+        objective NLL + aux_loss as one inside its schedule: the returned NLL carries that whole
+        gradient and aux_loss none, so any function of their sum (the training objective) has
+        the exact gradient, but not the NLL alone."""
         rows = batch["inputs"].shape[0]
         if rows % self.microbatches:  # e.g. a dynamic batch size (dsjax/batching.py) off the grid
             raise ConfigError(f"pipeline.microbatches: a batch of {rows} rows does not split "
@@ -111,18 +140,34 @@ class Pipelined:
         count = jnp.sum(batch["weights"])
         micro = _microbatches(batch, self.microbatches)
         if self.schedule == "1f1b":
-            return _one_f_one_b_loss(self, params, fp8_meta or {}, micro, count), count
-        total = _forward_pipeline(self, params, fp8_meta or {}, micro)
-        return total / jnp.maximum(count, 1.0), count
+            nll, aux = _one_f_one_b_loss(self, params, fp8_meta or {}, micro, count)
+            return nll, count, aux
+        total, balance, load_LE = _forward_pipeline(self, params, fp8_meta or {}, micro)
+        return total / jnp.maximum(count, 1.0), count, _aux_terms(self, balance, load_LE)
 
 
 def make(model: Transformer, cfg: PipelineConfig, stages: int, typed: bool) -> Pipelined:
-    """The `Pipelined` model for `cfg` (the validated pipeline section) over `stages` stages."""
+    """The `Pipelined` model for `cfg` (the validated pipeline section) over `stages` stages.
+    Expert parallelism makes it untyped: the MoE all-to-all's own shard_map (manual over `data`,
+    unchecked) nests inside the stages' and hands back cotangents without the `pipeline`
+    variance a typed outer shard_map expects (the gradients are the same either way)."""
+    if model.cfg.is_moe and model.cfg.expert_parallel:
+        typed = False
     return Pipelined(model, stages, cfg.schedule, cfg.microbatches, cfg.repeats, typed)
 
 
 # ---------------------------------------------------------------------------------------------
 # Layout helpers.
+
+def _aux_terms(pipe: Pipelined, balance: jax.Array | None, load_LE: jax.Array | None
+               ) -> dict[str, jax.Array]:
+    """The model's "aux" terms from its balance terms summed over layers and microbatches and
+    its per-layer loads [L, E] ({} for a dense model, whose schedules return None)."""
+    if balance is None:
+        return {}
+    return {"aux_loss": pipe.model.cfg.aux_loss_alpha * balance / pipe.microbatches,
+            "moe_load": load_LE}
+
 
 def _microbatches(batch: dict[str, jax.Array], M: int) -> dict[str, jax.Array]:
     """[B, S] -> [M, B/M, S]; microbatch m = rows m, M + m, ... (keeps the rows' sharding)."""
@@ -131,13 +176,25 @@ def _microbatches(batch: dict[str, jax.Array], M: int) -> dict[str, jax.Array]:
     return {k: split(batch[k]) for k in MICRO_KEYS}
 
 
-def _split_params(params: Any, meta: Any) -> tuple[Any, Any]:
-    """(layer variables {"params", maybe "fp8_meta"}, leading "layers" axis; the replicated
-    top-level params)."""
-    stack = {"params": params["layers"]}
+def _split_params(params: Any, meta: Any, name: str) -> tuple[Any, Any]:
+    """(layer variables {"params", maybe "fp8_meta"} of stack `name`, leading "layers" axis;
+    the replicated top-level params)."""
+    stack = {"params": params[name]}
     if meta:
-        stack[fp8.META_COLLECTION] = meta["layers"]
-    return stack, {k: v for k, v in params.items() if k != "layers"}
+        stack[fp8.META_COLLECTION] = meta[name]
+    return stack, {k: v for k, v in params.items() if k != name}
+
+
+def _run_chunk(chunk_model: Transformer, variables: Any, x_BSD: jax.Array, positions_BS,
+               segment_ids_BS) -> tuple[jax.Array, Any]:
+    """One chunk's layers: (y [B, S, D], MoE stats {"load": [Lc, E], "balance": [Lc]}, or None
+    for a dense model)."""
+    moe = chunk_model.cfg.is_moe
+    y_BSD, stats = chunk_model.run_layers(x_BSD, variables, positions_BS, segment_ids_BS,
+                                          moe=moe)
+    if not moe:
+        return y_BSD, None
+    return y_BSD, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
 
 
 def _stage_specs(tree: Any) -> Any:
@@ -200,18 +257,22 @@ def _fold(a: jax.Array) -> jax.Array:
 # GPipe and circular: a forward-only pipeline; jax.grad differentiates through it.
 
 def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.Array]
-                      ) -> jax.Array:
-    """Summed weighted NLL of the global batch, the layers pipelined over `pipeline`."""
+                      ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """(summed weighted NLL of the global batch, MoE balance terms summed over layers and
+    microbatches, per-layer expert loads [L, E]; None, None for a dense model), the layers
+    pipelined over `pipeline`."""
     S, M = pipe.stages, pipe.microbatches
     R = pipe.repeats if pipe.schedule == "circular" else 1
     T = ticks(pipe.schedule, S, M, R)
     model, chunk_model = pipe.model, pipe.chunk_model()
-    chunks, top = _split_params(params, meta)
+    moe = model.cfg.is_moe
+    chunks, top = _split_params(params, meta, pipe.stack)
     # A lap of the ring ends on the last stage; with R > 1 it continues on stage 0.
     perm = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
 
     # Block: manual over `pipeline`. chunks [L/S, ...] (this stage's layers), top and
-    # micro [M, B/M, S] replicated over stages -> this stage's share of the NLL sum, psummed.
+    # micro [M, B/M, S] replicated over stages -> this stage's share of the NLL sum, psummed;
+    # MoE: the balance sum (psummed) and this stage's loads [R, Lc, E] (chunk r*S + s at r).
     def body(chunks, top, micro):
         chunks = _interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
             lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
@@ -219,7 +280,8 @@ def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
         x_MBSD = embed_tokens(top["embedding"], micro["inputs"], model.dtype)
 
         def tick(carry, t):
-            state_BSD, laps_MBSD = carry  # from the previous stage; stage 0's waiting room
+            state_BSD, laps_MBSD, balance_RL, load_RLE = carry  # from the previous stage;
+            # stage 0's waiting room; MoE stats of this stage's chunks, summed over microbatches
             u = t - s  # this stage's position in its stream of R*M microbatch-chunks
             m, r = jnp.mod(u, M), jnp.clip(u // M, 0, R - 1)
             if R > 1:
@@ -231,15 +293,25 @@ def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
             else:
                 fresh_BSD = x_MBSD[m]
             in_BSD = jnp.where(s == 0, fresh_BSD, state_BSD)
-            y_BSD, _ = chunk_model.run_layers(in_BSD, _index(chunks, r), micro["positions"][m],
-                                              micro["segment_ids"][m])
-            return (lax.ppermute(y_BSD, STAGE, perm), laps_MBSD), y_BSD
+            y_BSD, stats = _run_chunk(chunk_model, _index(chunks, r), in_BSD,
+                                      micro["positions"][m], micro["segment_ids"][m])
+            if moe:  # idle ticks (the bubble) run on filler: their stats count for nothing
+                busy = (u >= 0) & (u < R * M)
+                balance_RL = balance_RL.at[r].add(jnp.where(busy, stats["balance"], 0.0))
+                load_RLE = load_RLE.at[r].add(jnp.where(busy, stats["load"], 0.0))
+            return (lax.ppermute(y_BSD, STAGE, perm), laps_MBSD, balance_RL, load_RLE), y_BSD
 
         state = jnp.zeros_like(x_MBSD[0])
         laps = jnp.zeros_like(x_MBSD) if R > 1 else jnp.zeros((), x_MBSD.dtype)
+        Lc, E = model.cfg.num_layers // (R * S), model.cfg.n_routed_experts
+        balance = jnp.zeros((R, Lc) if moe else (), jnp.float32)
+        load = jnp.zeros((R, Lc, E) if moe else (), jnp.float32)
         if pipe.typed:
             state, laps = lax.pcast((state, laps), STAGE, to="varying")
-        _, ys_TBSD = lax.scan(tick, (state, laps), jnp.arange(T))
+            if moe:
+                balance, load = lax.pcast((balance, load), STAGE, to="varying")
+        (_, _, balance, load), ys_TBSD = lax.scan(tick, (state, laps, balance, load),
+                                                  jnp.arange(T))
         # The last lap's outputs on the last stage: ticks T-M .. T-1 are microbatches 0 .. M-1.
         # Spread them over the stages, M/S microbatches each, for the head and loss.
         n = M // S
@@ -247,10 +319,18 @@ def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
         pick = lambda a: lax.dynamic_slice_in_dim(a, s * n, n, 0)
         nll = _head_nll(model, top, _fold(mine_mBSD), _fold(pick(micro["targets"])),
                         _fold(pick(micro["weights"])))
-        return lax.psum(nll, STAGE)
+        if not moe:
+            return lax.psum(nll, STAGE)
+        return lax.psum(nll, STAGE), lax.psum(jnp.sum(balance), STAGE), load
 
-    return jax.shard_map(body, in_specs=(_stage_specs(chunks), P(), P()), out_specs=P(),
-                         axis_names={STAGE}, check_vma=pipe.typed)(chunks, top, micro)
+    # MoE loads: stage s's [R, Lc, E] -> [R, S*Lc, E], whose row-major order is the layer order.
+    out = jax.shard_map(body, in_specs=(_stage_specs(chunks), P(), P()),
+                        out_specs=(P(), P(), P(None, STAGE)) if moe else P(),
+                        axis_names={STAGE}, check_vma=pipe.typed)(chunks, top, micro)
+    if not moe:
+        return out, None, None
+    nll, balance, load_RXE = out
+    return nll, balance, load_RXE.reshape(-1, load_RXE.shape[-1])
 
 
 def _scatter_from_last(out_MBSD: jax.Array, S: int, n: int) -> jax.Array:
@@ -268,25 +348,29 @@ def _scatter_from_last(out_MBSD: jax.Array, S: int, n: int) -> jax.Array:
 # 1F1B: forwards and backwards interleaved in one scan, gradients by hand.
 
 def _one_f_one_b_loss(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.Array],
-                      count: jax.Array) -> jax.Array:
-    """Mean loss whose gradient (w.r.t. params and, for delayed fp8, the amax observations of
-    fp8_meta) the schedule computes itself."""
+                      count: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(mean NLL, the model's aux terms) whose gradient (w.r.t. params and, for delayed fp8, the
+    amax observations of fp8_meta) the schedule computes itself: the NLL carries the gradient of
+    the objective NLL + aux_loss (see `Pipelined.loss_and_aux`)."""
 
     @jax.custom_vjp
-    def loss(params, meta):
+    def objective(params, meta):
         return _one_f_one_b(pipe, params, meta, micro, count)[0]
 
     def fwd(params, meta):
-        value, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count)
-        return value, (grads, meta_grads)
+        out, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count)
+        return out, (grads, meta_grads)
 
     def bwd(res, ct):
         grads, meta_grads = res
+        # Only the objective's cotangent: the NLL, balance and load values carry no gradient.
         # The observed amaxes are not scaled by the loss cotangent (as in fp8's own VJP).
-        return jax.tree.map(lambda g: g * ct, grads), meta_grads
+        return jax.tree.map(lambda g: g * ct[0], grads), meta_grads
 
-    loss.defvjp(fwd, bwd)
-    return loss(params, meta)
+    objective.defvjp(fwd, bwd)
+    value, (nll, balance, load_LE) = objective(params, meta)
+    return (lax.stop_gradient(nll) + (value - lax.stop_gradient(value)),
+            _aux_terms(pipe, *lax.stop_gradient((balance, load_LE))))
 
 
 def _zeros(shapes: Any, typed: bool) -> Any:
@@ -295,18 +379,28 @@ def _zeros(shapes: Any, typed: bool) -> Any:
 
 
 def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.Array],
-                 count: jax.Array) -> tuple[jax.Array, Any, Any]:
-    """(mean loss, its gradient w.r.t. params, fp8 amax observations) by the 1F1B schedule."""
+                 count: jax.Array) -> tuple[Any, Any, Any]:
+    """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense)), the
+    objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B schedule. The
+    objective is the mean NLL plus, for MoE models, alpha x the balance terms summed over layers
+    and averaged over microbatches (`Pipelined.loss_and_aux`)."""
     S, M = pipe.stages, pipe.microbatches
     T, K = ticks("1f1b", S, M), 2 * S - 1  # ticks; stash slots (>= microbatches in flight)
     model, chunk_model = pipe.model, pipe.chunk_model()
-    chunks, top = _split_params(params, meta)
+    moe = model.cfg.is_moe
+    # MoE stages run in every tick, idle or not, instead of under a `lax.cond` that only some
+    # stages take: collectives inside such a branch (the experts' all-to-all over `data`, GSPMD's
+    # resharding of experts) deadlock XLA:CPU, whose collective-permute rendezvous waits for
+    # every device, or fail XLA's SPMD partitioner. The bubble is then 2(S-1) ticks, not S-1.
+    branchless = moe
+    chunks, top = _split_params(params, meta, pipe.stack)
     has_meta = fp8.META_COLLECTION in chunks
     typed = pipe.typed
     inv_count = 1.0 / jnp.maximum(count, 1.0)
 
     # Block: manual over `pipeline`. chunks [L/S, ...], top and micro [M, B/M, S] replicated
-    # -> loss (psummed), layer grads [L/S, ...] and meta observations, top grads (psummed).
+    # -> loss (psummed), layer grads [L/S, ...] and meta observations, top grads (psummed);
+    # MoE: the balance sum (psummed) and this stage's loads [L/S, E].
     def body(chunks, top, micro, inv_count):
         stage_vars = chunks  # [Lc, ...]
         if typed:
@@ -317,8 +411,8 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
         first, last = s == 0, s == S - 1
         pos, seg = micro["positions"], micro["segment_ids"]
 
-        def stage(variables, x_BSD, m):
-            return chunk_model.run_layers(x_BSD, variables, pos[m], seg[m])[0]
+        def stage(variables, x_BSD, m):  # (y, MoE stats or None)
+            return _run_chunk(chunk_model, variables, x_BSD, pos[m], seg[m])
 
         def embed(emb, m):
             return embed_tokens(emb, micro["inputs"][m], model.dtype)
@@ -329,16 +423,30 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
 
         x_shape = jax.eval_shape(embed, top["embedding"], 0)
         grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
+        out_shapes = jax.eval_shape(lambda: stage(stage_vars, _zeros(x_shape, typed), 0))
+        # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term
+        # (the aux loss averages microbatches), none for the loads (counts, no gradient).
+        stats_ct = (None if not moe else
+                    {"balance": jnp.full(out_shapes[1]["balance"].shape,
+                                         model.cfg.aux_loss_alpha / M, jnp.float32),
+                     "load": jnp.zeros(out_shapes[1]["load"].shape, jnp.float32)})
+        if typed and moe:
+            stats_ct = lax.pcast(stats_ct, STAGE, to="varying")
 
         def tick(carry, t):
-            fwd_BSD, bwd_BSD, stash_KBSD, acc, loss = carry
+            fwd_BSD, bwd_BSD, stash_KBSD, acc, loss, stats_acc = carry
             # Forward slot: microbatch t - s.
             mf = t - s
             on_f = (mf >= 0) & (mf < M)
             mf = jnp.clip(mf, 0, M - 1)
             in_BSD = jnp.where(first, embed(top["embedding"], mf), fwd_BSD)
-            y_BSD = lax.cond(on_f, lambda: stage(stage_vars, in_BSD, mf),
-                             lambda: _zeros(x_shape, typed))
+            if branchless:  # an idle slot runs on filler; its stats count for nothing
+                y_BSD, stats = stage(stage_vars, in_BSD, mf)
+                stats = jax.tree.map(lambda a: jnp.where(on_f, a, 0.0), stats)
+            else:
+                y_BSD, stats = lax.cond(on_f, lambda: stage(stage_vars, in_BSD, mf),
+                                        lambda: _zeros(out_shapes, typed))
+            stats_acc = jax.tree.map(jnp.add, stats_acc, stats)  # zeros when idle
             slot = lax.dynamic_index_in_dim(stash_KBSD, mf % K, 0, keepdims=False)
             stash_KBSD = lax.dynamic_update_index_in_dim(
                 stash_KBSD, jnp.where(on_f, in_BSD, slot), mf % K, 0)
@@ -360,11 +468,14 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
             g_BSD = jnp.where(last, dy_BSD, bwd_BSD)
             x_BSD = lax.dynamic_index_in_dim(stash_KBSD, mb % K, 0, keepdims=False)
 
-            def stage_grad():
+            def stage_grad(scale=1.0):
                 _, vjp = jax.vjp(lambda v, x: stage(v, x, mb), stage_vars, x_BSD)
-                return vjp(g_BSD)
-            d_vars, dx_BSD = lax.cond(on_b, stage_grad,
-                                      lambda: _zeros(jax.eval_shape(stage_grad), typed))
+                return vjp(jax.tree.map(lambda c: c * scale, (g_BSD, stats_ct)))
+            if branchless:  # an idle slot's zero cotangents give zero gradients
+                d_vars, dx_BSD = stage_grad(on_b.astype(jnp.float32))
+            else:
+                d_vars, dx_BSD = lax.cond(on_b, stage_grad,
+                                          lambda: _zeros(jax.eval_shape(stage_grad), typed))
 
             def embed_grad():
                 _, vjp = jax.vjp(lambda e: embed(e, mb), top["embedding"])
@@ -381,21 +492,28 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
                                                              d_vars[fp8.META_COLLECTION])
             carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
                      lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
-                     stash_KBSD, (new_stage, d_top), loss + nll)
+                     stash_KBSD, (new_stage, d_top), loss + nll, stats_acc)
             return carry, None
 
         zero_x = _zeros(x_shape, typed)
         init = (zero_x, zero_x, _zeros(jax.ShapeDtypeStruct((K, *x_shape.shape), x_shape.dtype),
                                        typed),
-                _zeros(grad_shapes, typed), _zeros(jax.ShapeDtypeStruct((), jnp.float32), typed))
-        (_, _, _, (d_stage, d_top), loss), _ = lax.scan(tick, init, jnp.arange(T))
-        return lax.psum(loss, STAGE), d_stage, lax.psum(d_top, STAGE)
+                _zeros(grad_shapes, typed), _zeros(jax.ShapeDtypeStruct((), jnp.float32), typed),
+                _zeros(out_shapes[1], typed))
+        (_, _, _, (d_stage, d_top), loss, stats), _ = lax.scan(tick, init, jnp.arange(T))
+        loss = lax.psum(loss, STAGE)
+        if not moe:
+            return (loss, loss, None, None), d_stage, lax.psum(d_top, STAGE)
+        balance = lax.psum(jnp.sum(stats["balance"]), STAGE)
+        objective = loss + model.cfg.aux_loss_alpha * balance / M
+        return (objective, loss, balance, stats["load"]), d_stage, lax.psum(d_top, STAGE)
 
     chunk_specs = _stage_specs(chunks)
-    loss, d_chunks, d_top = jax.shard_map(
-        body, in_specs=(chunk_specs, P(), P(), P()), out_specs=(P(), chunk_specs, P()),
+    values, d_stack, d_top = jax.shard_map(
+        body, in_specs=(chunk_specs, P(), P(), P()),
+        out_specs=((P(), P(), P(), P(STAGE) if moe else None), chunk_specs, P()),
         axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count)
-    d_stack = d_chunks
-    grads = {**d_top, "layers": d_stack["params"]}
-    meta_grads = {"layers": d_stack[fp8.META_COLLECTION]} if has_meta else {}
-    return loss, grads, meta_grads
+    objective, nll, balance, load_LE = values
+    grads = {**d_top, pipe.stack: d_stack["params"]}
+    meta_grads = {pipe.stack: d_stack[fp8.META_COLLECTION]} if has_meta else {}
+    return (objective, (nll, balance, load_LE)), grads, meta_grads

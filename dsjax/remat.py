@@ -10,6 +10,9 @@ block tags its intermediates with `checkpoint_name` so policies can name them:
   mlp_gate, mlp_up         the two input projections         [B, S, F]
   mlp_hidden               silu(gate) * up                   [B, S, F]
   mlp_out                  down projection                   [B, S, D]
+  kv_latent                MLA: normed compressed KV latent  [B, S, C]
+  moe_routed               MoE: experts' outputs in their slots [E, C, D], before the combine
+                           (a MoE block's experts tag silu(gate) * up [E, C, F] as mlp_hidden)
 
 Policies (`remat.policy`):
   none            save everything (no recomputation)
@@ -34,7 +37,7 @@ from __future__ import annotations
 from typing import Callable
 
 TAGS = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out", "mlp_gate", "mlp_up",
-        "mlp_hidden", "mlp_out")
+        "mlp_hidden", "mlp_out", "kv_latent", "moe_routed")
 ATTENTION_CORE = ("attn_context",)
 POLICIES = ("none", "full", "dots", "dots_no_batch", "attention_core", "names:", "offload:")
 

@@ -102,7 +102,7 @@ def loss_and_aux(params: Any, apply_fn: Callable, batch: dict[str, jax.Array],
     for MoE/MTP models (DeepSeek-V2/V3) "aux_loss" (to add to the NLL: balance and MTP losses,
     weighted), "moe_load" [MoE layers, E] and "mtp_loss"; {} for dense models."""
     if isinstance(apply_fn, pipeline.Pipelined):  # mesh.pipeline > 1: the schedule computes it
-        return (*apply_fn.loss(params, batch, fp8_meta), {})
+        return apply_fn.loss_and_aux(params, batch, fp8_meta)
     variables = {"params": params}
     if fp8_meta:
         variables[fp8.META_COLLECTION] = fp8_meta
@@ -731,7 +731,8 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         "flops_per_token": flops_tok,
         "pipeline_bubble": pipeline.bubble_fraction(cfg.pipeline.schedule, cfg.mesh.pipeline,
                                                     cfg.pipeline.microbatches,
-                                                    cfg.pipeline.repeats),
+                                                    cfg.pipeline.repeats,
+                                                    moe=cfg.model.n_routed_experts > 0),
         **observer.summary(),
         **batcher.summary(),
     }

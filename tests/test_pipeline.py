@@ -95,6 +95,9 @@ def test_bubble_fractions():
     assert pipeline.bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert pipeline.bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert pipeline.bubble_fraction("circular", 4, 8, 2) == pytest.approx(3 / 19)
+    # MoE stages run every 1f1b tick (no skipped idle slots): 2(S-1) idle ticks of M + 2(S-1).
+    assert pipeline.bubble_fraction("1f1b", 4, 8, moe=True) == pytest.approx(6 / 14)
+    assert pipeline.bubble_fraction("gpipe", 4, 8, moe=True) == pytest.approx(3 / 11)
 
 
 def test_training_with_pipeline_remat_and_fp8_lowers_the_loss():
@@ -226,3 +229,108 @@ def test_1f1b_with_delayed_fp8_matches_the_unpipelined_model():
     for g, w in zip(got, want):
         assert np.all(w > 0)
         np.testing.assert_allclose(g, w, rtol=1e-5)  # measured 1.5e-7
+
+
+# configs/cpu_moe.py shrunk to 4 MoE blocks (no dense first block, no MTP: neither pipelines),
+# MLA, sigmoid router with a correction bias, top-2 of 8 experts in 2 groups, a shared expert.
+# The balance loss weight is large enough that a lost or double-counted balance gradient moves
+# the gradients far beyond the tolerance.
+MOE = {"model.num_layers": 4, "model.hidden_size": 32, "model.mlp_dim": 64,
+       "model.vocab_size": 128, "model.q_lora_rank": 16, "model.kv_lora_rank": 16,
+       "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
+       "model.moe_intermediate_size": 16, "model.first_k_dense_replace": 0,
+       "model.num_mtp_layers": 0, "model.aux_loss_alpha": 0.3, "data.seq_len": 16,
+       "data.global_batch": 8, "train.steps": 4, "optim.warmup_steps": 1}
+
+
+def _moe_pipelined(mesh, schedule, microbatches, **overrides):
+    data, tensor, stages = mesh
+    return config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {
+        **MOE, "mesh.data": data, "mesh.tensor": tensor, "mesh.pipeline": stages,
+        "pipeline.schedule": schedule, "pipeline.microbatches": microbatches, **overrides})
+
+
+def _objective_and_aux(apply_fn, params, batch):
+    def objective(p, b):
+        loss, _, aux = train.loss_and_aux(p, apply_fn, b)
+        return loss + aux["aux_loss"], (loss, aux)
+    return jax.jit(jax.value_and_grad(objective, has_aux=True))(params, batch)
+
+
+@pytest.mark.parametrize("schedule, mesh, microbatches, repeats, expert_parallel", [
+    ("gpipe", (2, 2, 2), 2, 1, True),
+    ("1f1b", (2, 2, 2), 2, 1, True),
+    ("1f1b", (2, 1, 4), 4, 1, False),  # dense fallback: experts under GSPMD inside each stage
+    ("circular", (2, 2, 2), 2, 2, True),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats,
+                                                    expert_parallel):
+    """Loss, gradients of loss + aux_loss, the aux loss and every layer's expert load of a MoE
+    model, pipelined, against the plain decoder on one device with the same weights."""
+    cfg = _moe_pipelined(mesh, schedule, microbatches, **{"pipeline.repeats": repeats,
+                                                          "model.expert_parallel":
+                                                          expert_parallel})
+    trainer = train.build_trainer(cfg)
+    state = trainer.init()
+    assert isinstance(state.apply_fn, pipeline.Pipelined)
+    assert trainer.state_shardings.params["moe_layers"]["moe"]["up"].spec[0] == "pipeline"
+    host_batch = random_batch(np.random.default_rng(4), 8, 16, vocab=128)
+    with sharding.activate(trainer.mesh, trainer.rules):
+        (_, (loss, aux)), grads = _objective_and_aux(state.apply_fn, state.params,
+                                                     trainer.device_batch(host_batch))
+    params = jax.device_get(state.params)
+    (_, (ref_loss, ref_aux)), ref_grads = _objective_and_aux(state.apply_fn.model.apply, params,
+                                                             host_batch)
+    assert sorted(aux) == sorted(ref_aux) == ["aux_loss", "moe_load"]
+    # float32: only the summation order differs (per microbatch, then across them).
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(aux["aux_loss"]), float(ref_aux["aux_loss"]), rtol=1e-5)
+    load = np.asarray(aux["moe_load"])
+    assert load.shape == (4, 8) and np.all(load.sum(axis=1) == 8 * 16 * 2)  # rows x seq x top-k
+    np.testing.assert_array_equal(load, np.asarray(ref_aux["moe_load"]))  # counts: exact
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0],
+                            jax.tree.leaves(ref_grads)):
+        name = jax.tree_util.keystr(path)
+        if "router_bias" in name:  # moved by the load rule, never by a gradient
+            assert np.all(g == 0) and np.all(r == 0), name
+            continue
+        # Relative Frobenius norm per tensor; a lost balance gradient moves the router's by O(1).
+        rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert rel < 1e-5, (name, rel)
+
+
+def test_moe_trains_through_1f1b_and_moves_the_router_bias_by_its_loads():
+    """A train step through the pipeline: the loads it logs are the whole batch's, and the V3
+    bias update moves every MoE layer's router bias by gamma towards balance from them."""
+    gamma = 0.01
+    cfg = _moe_pipelined((2, 2, 2), "1f1b", 2, **{"model.bias_update_speed": gamma,
+                                                  "optim.lr": 1e-2})
+    trainer = train.build_trainer(cfg)
+    state = trainer.init()
+    before = np.asarray(jax.device_get(state.params)["moe_layers"]["moe"]["router_bias"])
+    batch = trainer.device_batch(random_batch(np.random.default_rng(6), 8, 16, vocab=128))
+    losses = []
+    for step in range(3):  # one batch repeated: the loss must fall
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]) + float(metrics["aux_loss"]))
+        if step == 0:
+            share = np.asarray(metrics["expert_load"])
+            after = np.asarray(jax.device_get(state.params)["moe_layers"]["moe"]["router_bias"])
+    assert share.shape == (4, 8)
+    np.testing.assert_allclose(share.sum(axis=1), 1.0, rtol=1e-6)
+    counts = np.round(share * 8 * 16 * 2)  # rows x seq x top-k assignments per layer
+    step = np.sign(counts - counts.mean(axis=1, keepdims=True)) * gamma
+    np.testing.assert_allclose(after, before - step, atol=1e-7)
+    assert np.any(step != 0)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"model.num_mtp_layers": 1}, "model.num_mtp_layers"),
+    ({"model.first_k_dense_replace": 1}, "model.first_k_dense_replace"),
+    ({"model.expert_parallel": False}, "model.expert_parallel"),  # data 2 x tensor 2
+])
+def test_moe_pipeline_limits_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        _moe_pipelined((2, 2, 2), "1f1b", 2, **overrides)
+    assert str(err.value).startswith(field + ":"), str(err.value)

@@ -17,7 +17,8 @@ from dsjax.train import loss_fn
 
 TINY = {"model.num_layers": 4, "model.hidden_size": 64, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 256,
-        "data.seq_len": 128, "data.global_batch": 4, "mesh.data": 1, "mesh.tensor": 1}
+        "data.seq_len": 128, "data.global_batch": 4, "mesh.data": 1, "mesh.tensor": 1,
+        "mesh.pipeline": 1}
 POLICIES = ["full", "dots", "dots_no_batch", "attention_core", "names:mlp_hidden,attn_out",
             "offload:mlp_hidden"]
 
@@ -129,3 +130,36 @@ def test_auto_picks_none_with_room_and_recomputes_when_tight(one_device_mesh):
 def test_bad_policies_list_the_valid_ones(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(**overrides)
+
+
+@pytest.mark.parametrize("name, where", [("kv_latent", "MLA.__call__"),
+                                         ("moe_routed", "MoE._dense")])
+def test_mla_and_moe_tags_are_policy_names_that_change_what_is_saved(name, where):
+    """`remat.policy=names:<tag>` is accepted for the tags MLA and MoE blocks carry, and saves
+    exactly that tensor of a block that `full` recomputes."""
+    import contextlib  # pylint: disable=import-outside-toplevel
+    import io  # pylint: disable=import-outside-toplevel
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {
+        **TINY, "model.num_kv_heads": 4, "model.q_lora_rank": 16, "model.kv_lora_rank": 16,
+        "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
+        "model.moe_intermediate_size": 16, "model.expert_parallel": False,
+        "remat.policy": f"names:{name}"})
+    assert cfg.remat.policy == f"names:{name}"
+    model = Transformer(cfg.model)
+    block = model._block(use_fp8=False, moe=True)  # pylint: disable=protected-access
+    x = jax.random.normal(jax.random.key(0), (2, 8, cfg.model.hidden_size))
+    pos, seg = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
+    variables = block.init(jax.random.key(1), x, pos, seg)
+
+    def saved(policy):
+        _, checkpoint_policy = remat.checkpoint_policy(policy)
+        f = jax.checkpoint(lambda v, x: jnp.sum(block.apply(v, x, pos, seg)[0] ** 2),
+                           policy=checkpoint_policy)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(f, variables, x)
+        return [line for line in out.getvalue().splitlines() if " named " in line]
+
+    assert saved("full") == []
+    got = saved(cfg.remat.policy)
+    assert len(got) == 1 and f"named '{name}'" in got[0] and where in got[0], got

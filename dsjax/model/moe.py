@@ -204,7 +204,6 @@ class MoE(nn.Module):
         else:
             routed_BSD = self._all_to_all(expert_axis, x, experts_BSK, weights_BSK, w_gate, w_up,
                                           w_down)
-        routed_BSD = checkpoint_name(routed_BSD, "moe_routed")
         if self.n_shared:
             shared = SwiGLU(self.n_shared * F, std, self.dtype,
                             tuple(m for m in self.fp8_matmuls if m in ("gate", "up", "down")),
@@ -220,7 +219,9 @@ class MoE(nn.Module):
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(B * S, K, E, self.capacity_factor)
         x_ECD = dispatch(x_BSD.reshape(B * S, D), experts_TK, slots_TK, E, cap)
-        y_ECD = self._experts(x_ECD, w_gate, w_up, w_down)
+        # Named for remat policies: the combine's backward (the router weights' gradient) needs
+        # the experts' outputs; saving them spares recomputing dispatch and experts.
+        y_ECD = checkpoint_name(self._experts(x_ECD, w_gate, w_up, w_down), "moe_routed")
         return combine(y_ECD, experts_TK, slots_TK, weights_BSK.reshape(B * S, K)).reshape(B, S, D)
 
     def _all_to_all(self, axis, x_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down):
@@ -243,7 +244,8 @@ class MoE(nn.Module):
             x_eXD = recv_WeCD.transpose(1, 0, 2, 3).reshape(e, W * cap, D)
             y_eXD = self._experts(x_eXD, w_gate, w_up, w_down)
             y_WeCD = y_eXD.reshape(e, W, cap, D).transpose(1, 0, 2, 3)
-            back_ECD = lax.all_to_all(y_WeCD, axis, 0, 0, tiled=True).reshape(E, cap, D)
+            back_ECD = checkpoint_name(  # as in `_dense`; also spares both all-to-alls
+                lax.all_to_all(y_WeCD, axis, 0, 0, tiled=True).reshape(E, cap, D), "moe_routed")
             return combine(back_ECD, experts_TK, slots_TK,
                            weights_bSK.reshape(b * S, K)).reshape(b, S, D)
 
