@@ -13,7 +13,7 @@ no document ids, so dsjax is given none either). PyTorch runs eager (no torch.co
 `torch.set_num_threads(--threads)`, default all cores.
 
 dsjax runs twice: on a one-device mesh (1, 1, 1), like for like with one PyTorch process using
-every core, and on the config's own mesh of simulated CPU devices (cpu_tiny: 4 x 2 = 8, sharing
+every core, and on the config's own mesh of simulated CPU devices (cpu_tiny: 2 x 2 x 2 = 8, sharing
 the same cores, so it pays for the collectives without gaining any hardware). After warmup steps
 (compilation; PyTorch's first steps allocate), the three alternate rounds of `--round` steps,
 so machine drift hits all of them; tokens/s is the median over rounds.

@@ -46,6 +46,10 @@ def get_config(arg=None):
         num_mtp_layers=1,          # one multi-token prediction module
         mtp_loss_weight=0.3,       # its loss weight
     ))
+    c.mesh.update(dict(
+        data=4,                    # 8 experts, 2 per data-parallel device
+        pipeline=1,                # its dense first block and MTP do not pipeline (docs/moe.md)
+    ))
     c.train.steps = 300
     c.checkpoint.every = 100
     return c

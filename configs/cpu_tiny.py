@@ -53,10 +53,10 @@ def get_config(arg=None):
         mtp_loss_weight=0.3,  # MTP loss weight
     ))
     c.mesh = ConfigDict(dict(
-        data=4,              # data-parallel size
+        data=2,              # data-parallel size
         tensor=2,            # tensor-parallel size (heads, MLP, vocab)
-        pipeline=1,          # pipeline stages; --config.mesh.data=2 --config.mesh.pipeline=2 pipelines
-                             # the 6 layers over 2 stages (docs/pipeline.md)
+        pipeline=2,          # pipeline stages: 3 layers each, 1f1b (docs/pipeline.md);
+                             # --config.mesh.data=4 --config.mesh.pipeline=1 runs unpipelined
         fsdp=False,          # also shard params/optimizer state over `data`
         dcn_data=0,          # hosts `data` spans (0: one per process; docs/multihost.md)
         dcn_pipeline=1,      # hosts `pipeline` spans

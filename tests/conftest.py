@@ -54,6 +54,11 @@ TINY_FLAGS = {
 }
 
 
+# cpu_tiny's mesh is (2, 2, 2) with a 1f1b pipeline. Tests of features that do not compose with
+# pipelining (fsdp) or that count per-replica rows pin the unpipelined 8-device mesh instead.
+FLAT_MESH = {"mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1}
+
+
 def read_records(workdir):
     """The run's metrics.jsonl, one dict per line."""
     import json

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, random_batch, read_records, run_launch
+from conftest import FLAT_MESH, ROOT, TINY_FLAGS, random_batch, read_records, run_launch
 from dsjax import batching, fp8
 from dsjax import config as config_lib
 from dsjax.config import BatchConfig, ConfigError
@@ -25,7 +25,8 @@ from dsjax.train import build_trainer
 
 TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
-        "data.seq_len": 16, "data.global_batch": 16, "optim.warmup_steps": 1, "train.steps": 4}
+        "data.seq_len": 16, "data.global_batch": 16, "optim.warmup_steps": 1, "train.steps": 4,
+        **FLAT_MESH}
 
 
 def _cfg(**overrides):
@@ -83,7 +84,7 @@ def test_lr_scaling_rules():
 
 @pytest.fixture(scope="module")
 def trainer():
-    """cpu_tiny's mesh (data 4, tensor 2), a tiny model, global batch 16 (4 rows per replica)."""
+    """The unpipelined mesh (data 4, tensor 2), a tiny model, global batch 16 (4 rows per replica)."""
     return build_trainer(_cfg())
 
 
@@ -482,7 +483,7 @@ def test_legacy_iterator_state_resumes_at_the_same_sample(split):
 # End to end: a run that changes its batch size, and a resume right after the change
 
 
-ADAPTIVE = {"data.global_batch": 8, "batch.policy": "adaptive", "batch.ladder": "8,16",
+ADAPTIVE = {**FLAT_MESH, "data.global_batch": 8, "batch.policy": "adaptive", "batch.ladder": "8,16",
             "batch.micro_batch": 1, "batch.patience": 1, "batch.cooldown": 0,
             "train.steps": 5, "checkpoint.every": 3, "train.sample_tokens": 0,
             "metrics.peak_flops_per_device": 1e12, "metrics.profile_every": 0}

@@ -6,7 +6,7 @@ import os
 import jax
 import pytest
 
-from conftest import ROOT
+from conftest import FLAT_MESH, ROOT
 from dsjax import config as config_lib
 from dsjax import sharding
 from dsjax.config import ConfigError
@@ -39,7 +39,7 @@ def test_optimized_config_uses_onebit_adam_without_fsdp():
 
 def test_fsdp_with_onebit_adam_names_both_fields():
     with pytest.raises(ConfigError, match=r"^mesh\.fsdp: optim\.name='onebit_adam' needs"):
-        _tiny(**{"optim.name": "onebit_adam", "mesh.fsdp": True})
+        _tiny(**{"optim.name": "onebit_adam", "mesh.fsdp": True, **FLAT_MESH})
 
 
 def test_deepseek_7b_parameter_count_is_exact():
@@ -55,10 +55,11 @@ def _tiny(**overrides):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"mesh.data": 2}, "mesh"),  # 2*2*1 != 8 devices
-    ({"mesh.tensor": 8, "mesh.data": 1, "model.num_heads": 12, "model.num_kv_heads": 4,
-      "model.hidden_size": 96}, "model.num_heads"),
-    ({"mesh.tensor": 4, "mesh.data": 2, "model.num_kv_heads": 2}, "model.num_kv_heads"),
+    ({"mesh.data": 4}, "mesh"),  # 4*2*2 != 8 devices
+    ({"mesh.tensor": 8, "mesh.data": 1, "mesh.pipeline": 1, "model.num_heads": 12,
+      "model.num_kv_heads": 4, "model.hidden_size": 96}, "model.num_heads"),
+    ({"mesh.tensor": 4, "mesh.data": 2, "mesh.pipeline": 1, "model.num_kv_heads": 2},
+     "model.num_kv_heads"),
     ({"model.mlp_dim": 129}, "model.mlp_dim"),
     ({"model.vocab_size": 257}, "model.vocab_size"),
 ])
@@ -70,7 +71,7 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"data.global_batch": 6}, "data.global_batch"),        # not divisible by mesh.data = 4
+    ({"data.global_batch": 6}, "data.global_batch"),  # mesh.data 2 x pipeline.microbatches 4
     ({"mesh.pipeline": 4, "mesh.data": 1}, "model.num_layers"),  # 2 layers over 4 stages
     ({"model.num_kv_heads": 3}, "model.num_kv_heads"),      # 4 heads over 3 kv heads
     ({"model.hidden_size": 66}, "model.num_heads"),         # 66 / 4 heads

@@ -209,7 +209,8 @@ def test_hybrid_mesh_keeps_tensor_groups_inside_a_process():
     # topology-ordered numbering can): the plain id-ordered mesh pairs process 0's and 1's
     # devices in every tensor group; the hybrid one keeps each pair inside one process.
     devices = [FakeDevice(2 * local + p, p) for p in range(2) for local in range(4)]
-    cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py", {"mesh.data": 4, "mesh.tensor": 2})
+    cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py", {"mesh.data": 4, "mesh.tensor": 2,
+                                                          "mesh.pipeline": 1})
     plain = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(4, 2, 1)
     assert "tensor groups within one process: NO" in distributed.describe_layout(
         _fake_mesh(plain))
@@ -234,7 +235,7 @@ def test_hosts_of_several_processes_and_the_tensor_limit():
     # so a tensor group of 4 fits inside a host though not inside a process.
     devices = [FakeDevice(4 * local + p, p) for p in range(4) for local in range(2)]
     cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py",
-                          {"mesh.data": 2, "mesh.tensor": 4, "mesh.dcn_data": 2,
+                          {"mesh.data": 2, "mesh.tensor": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2,
                            "model.num_kv_heads": 4})
     grid = sharding.mesh_devices(cfg, devices)
     owner = np.vectorize(lambda d: d.process_index)(grid)

@@ -42,7 +42,7 @@ def test_run_directory_contract(finished_run):
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
-    assert summary["mesh"] == {"data": 4, "tensor": 2, "pipeline": 1}
+    assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}  # cpu_tiny's own
     assert summary["steps"] == 4 and summary["final_train_loss"] == records[-1]["loss"]
     assert 0 < summary["eval_bits_per_byte"] < 10
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
@@ -89,7 +89,8 @@ def test_eval_on_another_mesh_gives_the_same_loss(finished_run):
     workdir, _ = finished_run
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         trained = json.load(f)
-    proc = run_launch(workdir, {"mesh.data": 8, "mesh.tensor": 1}, mode="eval")
+    # Written by a 2-stage pipeline, evaluated unpipelined: the sharding changes, the values not.
+    proc = run_launch(workdir, {"mesh.data": 8, "mesh.tensor": 1, "mesh.pipeline": 1}, mode="eval")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         evaluated = json.load(f)
@@ -107,10 +108,10 @@ def test_non_finite_loss_stops_the_run_without_a_checkpoint(tmp_path):
 
 
 def test_mesh_that_does_not_match_the_devices_is_one_clear_line(tmp_path):
-    proc = run_launch(str(tmp_path / "bad"), {"mesh.data": 2},
+    proc = run_launch(str(tmp_path / "bad"), {"mesh.data": 4, "pipeline.microbatches": 2},
                       xla_flags="--xla_force_host_platform_device_count=8")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "dsjax: error: mesh: data*tensor*pipeline = 2*2*1 = 4 must equal the device count 8" \
+    assert "dsjax: error: mesh: data*tensor*pipeline = 4*2*2 = 16 must equal the device count 8" \
         in proc.stderr, proc.stderr[-2000:]
 
 
