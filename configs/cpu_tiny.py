@@ -97,6 +97,7 @@ def get_config(arg=None):
         bucket_mb=0.0,       # MiB per compressed all-reduce; 0 = one per tensor (converges best)
         bias_correction=False,  # Adam's bias correction (False = DeepSpeed's OnebitAdam)
         error_feedback=True,    # carry each step's compression error into the next (ablation: off)
+        compress="update",      # 1-bit all-reduce of m / sqrt(v) (momentum: DeepSpeed's m)
         hierarchical=False,     # exact inside a host, 1-bit across hosts (needs >= 2 hosts)
     ))
     c.fp8 = ConfigDict(dict(

@@ -80,6 +80,7 @@ def get_config(arg=None):
         bucket_mb=0.0,          # 1-bit Adam: one compressed all-reduce per tensor (DeepSpeed)
         bias_correction=False,  # 1-bit Adam: no bias correction, as DeepSpeed
         error_feedback=True,    # 1-bit Adam: carry the compression error into the next step
+        compress="update",      # 1-bit Adam: all-reduce m / sqrt(v) (momentum: DeepSpeed's m)
         hierarchical=False,     # 1-bit Adam: exact inside a node, 1-bit across nodes (multi-node)
     ))
     c.fp8 = ConfigDict(dict(

@@ -302,6 +302,9 @@ class Checkpointer:
             old, new = saved.get("mesh", {}), layout.get("mesh", {})
             if old.get("data") != new.get("data"):
                 why = f"mesh.data {old.get('data')}, this run has mesh.data {new.get('data')}"
+            elif saved.get("compress", "momentum") != layout.get("compress"):
+                why = (f"optim.compress={saved.get('compress', 'momentum')!r}, this run has "
+                       f"{layout.get('compress')!r}")
             else:
                 why = (f"mesh {old} and error buffers {saved.get('shapes')}, this run has mesh "
                        f"{new} and {layout.get('shapes')} (optim.bucket_mb or the mesh changed)")

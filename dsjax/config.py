@@ -22,6 +22,7 @@ FP8_RECIPES = ("current", "delayed", "rowwise")
 FP8_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "onebit_adam")
+ONEBIT_COMPRESS = ("update", "momentum")  # 1-bit Adam: m / (sqrt(v) + eps), or m (DeepSpeed)
 DATA_SOURCES = ("stdlib", "prepared")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 BATCH_POLICIES = ("fixed", "ramp", "adaptive")
@@ -143,6 +144,7 @@ class OptimConfig:
     bucket_mb: float = 0.0  # MiB of momentum per compressed all-reduce; 0: one per tensor
     bias_correction: bool = False  # Adam's bias correction (DeepSpeed: off)
     error_feedback: bool = True  # carry each step's compression error into the next
+    compress: str = "update"  # what the 1-bit all-reduce carries: update (m / sqrt(v)) | momentum
     hierarchical: bool = False  # exact mean inside a host, 1-bit across hosts (mesh.dcn_data)
 
 
@@ -602,6 +604,9 @@ def validate(cfg: Config) -> None:
     _non_negative("optim.weight_decay", o.weight_decay)
     _non_negative("optim.clip_norm", o.clip_norm)
     _non_negative("optim.bucket_mb", o.bucket_mb)
+    if o.compress not in ONEBIT_COMPRESS:
+        raise ConfigError(f"optim.compress: unknown {o.compress!r}; valid: "
+                          f"{', '.join(ONEBIT_COMPRESS)}")
     if o.hierarchical and o.name != "onebit_adam":
         raise ConfigError(f"optim.hierarchical: only optim.name='onebit_adam' has a hierarchical "
                           f"reduction; got optim.name={o.name!r}")

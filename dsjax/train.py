@@ -493,9 +493,11 @@ def onebit_errors(state: TrainState) -> dict[str, Any] | None:
 
 
 def errors_layout(state: TrainState, mesh: Mesh) -> dict[str, Any]:
-    """What must match for saved error buffers to be restored: the mesh and the bucket shapes."""
+    """What must match for saved error buffers to be restored: the mesh, the bucket shapes and
+    what was compressed (optim.compress: the errors of m and of m / sqrt(v) differ in units)."""
     return {"mesh": sharding.describe(mesh),
-            "shapes": [list(x.shape) for x in jax.tree.leaves(onebit_errors(state))]}
+            "shapes": [list(x.shape) for x in jax.tree.leaves(onebit_errors(state))],
+            "compress": state.tx.compress}
 
 
 def with_restored(state: TrainState, extras: dict[str, Any], errors: dict | None) -> TrainState:

@@ -47,6 +47,17 @@ DeepSpeed fidelity (deepspeed/runtime/fp16/onebit/adam.py, runtime/comm/nccl.py)
   DeepSpeed moves them so unless the user masks them.
 - `error_feedback=False` (an ablation; DeepSpeed has no such switch) drops both errors after
   every compressed step, leaving plain, biased sign compression of the momentum.
+- `compress="update"` (dsjax's default through `config.optim.compress`; DeepSpeed has only
+  `"momentum"`) sends m_i / (sqrt(v) + eps) through the 1-bit all-reduce instead of m_i, and
+  multiplies the mean back by sqrt(v) + eps. With v frozen and the same on every worker this is
+  the same linear map on both sides, so the exact mean is unchanged; only the compression error
+  moves. 1-bit compression gives every coordinate of a bucket the same magnitude (the bucket's
+  RMS). In momentum space the RMS is set by the coordinates of large v, and a coordinate of
+  small v (an embedding row of a rare token) receives +-RMS / sqrt(v_small) per step: many
+  times its Adam step. Error feedback cancels that over later steps, but the parameter jitters
+  by that much meanwhile. In update space every coordinate's exact value is O(1), so is the
+  RMS, and no coordinate's error is larger than its Adam step. On cpu_tiny (mesh 2x2x2) the
+  momentum run diverged after ~100 compressed steps (docs/onebit.md, Measured).
 """
 
 from __future__ import annotations
@@ -271,6 +282,7 @@ class OneBitAdam:
     axis_name: Any
     fast_axis: Any
     error_feedback: bool = True
+    compress: str = "momentum"  # what the 1-bit all-reduce carries: "momentum" | "update"
 
     @property
     def data_axes(self) -> tuple:
@@ -390,6 +402,12 @@ class OneBitAdam:
         # gradient, so compressing momenta loses nothing in expectation.
         local_mu = jax.tree.map(lambda g, m: (1 - self.b1) * g.astype(jnp.float32) + self.b1 * m,
                                 local_grads, state.mu)
+        if self.compress == "update":
+            # m_i / (sqrt(v) + eps): the same frozen map on every worker, undone below. v == 0
+            # coordinates send 0 (they get no update; m_i / eps would swamp the bucket's scale).
+            denom = jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, state.nu)
+            local_mu = jax.tree.map(lambda m, v, d: jnp.where(v > 0, m / d, 0.0),
+                                    local_mu, state.nu, denom)
         means, worker_errors, server_errors = [], [], []
         # Dicts flatten in sorted-key order, which is the plan's bucket order.
         for buf, we, se in zip(plan.flatten(local_mu), jax.tree.leaves(state.worker_error),
@@ -401,6 +419,8 @@ class OneBitAdam:
             worker_errors.append(we[None])
             server_errors.append(se[None])
         mu = plan.unflatten(means)
+        if self.compress == "update":
+            mu = jax.tree.map(lambda u, d: u * d, mu, denom)
         count_inc = state.count + 1
         # v == 0: never had a gradient, true momentum 0 (module docstring); weight decay stays.
         seen = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
@@ -430,7 +450,8 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100_000,
                 bias_correction: bool = False, bucket_bytes: int = 32 * 2**20,
                 axis_name: Any = "data", fast_axis: Any = None,
-                weight_decay_mask: Any = None, error_feedback: bool = True) -> OneBitAdam:
+                weight_decay_mask: Any = None, error_feedback: bool = True,
+                compress: str = "momentum") -> OneBitAdam:
     """1-bit Adam with DeepSpeed's defaults (freeze_step=100000, no bias correction).
 
     `learning_rate` is a float or a schedule of the number of steps taken; `weight_decay` is
@@ -438,13 +459,17 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     `weight_decay_mask` (a bool pytree or a function of params; None: everywhere) is True.
     `fast_axis`: the intra-node mesh axis for the hierarchical reduction (exact inside a node,
     1-bit across nodes over `axis_name`). `error_feedback=False` zeroes the error buffers after
-    every compressed step (an ablation).
+    every compressed step (an ablation). `compress`: "momentum" (DeepSpeed) or "update" (the
+    momentum over the frozen sqrt(v) + eps; see the module docstring).
     """
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step must be >= 0, got {freeze_step}")
     if bucket_bytes < 0:
         raise ValueError(f"onebit_adam: bucket_bytes must be >= 0, got {bucket_bytes}")
+    if compress not in ("momentum", "update"):
+        raise ValueError(f"onebit_adam: compress must be 'momentum' or 'update', got {compress!r}")
     if fast_axis is not None and fast_axis == axis_name:
         raise ValueError(f"onebit_adam: fast_axis must differ from axis_name ({axis_name!r})")
     return OneBitAdam(learning_rate, b1, b2, eps, weight_decay, weight_decay_mask, freeze_step,
-                      bias_correction, bucket_bytes, axis_name, fast_axis, error_feedback)
+                      bias_correction, bucket_bytes, axis_name, fast_axis, error_feedback,
+                      compress)
