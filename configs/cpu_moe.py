@@ -48,7 +48,7 @@ def get_config(arg=None):
     ))
     c.mesh.update(dict(
         data=4,                    # 8 experts, 2 per data-parallel device
-        pipeline=1,                # its dense first block and MTP do not pipeline (docs/moe.md)
+        pipeline=1,                # its 3 MoE blocks do not split into 2 stages (docs/moe.md)
     ))
     c.train.steps = 300
     c.checkpoint.every = 100

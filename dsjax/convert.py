@@ -56,6 +56,8 @@ class Rule:
     layers: str = "all"     # DeepSeek-V2/V3: which blocks have it: all | dense | moe. A per-layer
                             # leaf lives in the block's stack ("layers" or "moe_layers").
     export_tag: str = ""    # safetensors dtype written whatever --dtype says ("" = --dtype)
+    copy: bool = False      # a copy of a leaf another rule also maps (V3's MTP layers repeat the
+                            # embedding and head): import checks it equals, export writes it
 
     @property
     def per_layer(self) -> bool:
@@ -97,7 +99,8 @@ _DIM_NAMES = {"V": "vocab_size", "D": "hidden_size", "F": "intermediate_size",
               "Q": "q_lora_rank", "C": "kv_lora_rank", "CP": "kv_lora_rank+qk_rope_head_dim",
               "HKV": "num_attention_heads*(qk_nope_head_dim+v_head_dim)",
               "HV": "num_attention_heads*v_head_dim", "E": "n_routed_experts",
-              "M": "moe_intermediate_size", "SM": "n_shared_experts*moe_intermediate_size"}
+              "M": "moe_intermediate_size", "SM": "n_shared_experts*moe_intermediate_size",
+              "DD": "2*hidden_size"}
 
 # DeepSeek-V2/V3 (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM): MLA in every block, the dense
 # MLP in the first first_k_dense_replace blocks, DeepSeekMoE in the others. HF keeps one tensor
@@ -141,6 +144,20 @@ DEEPSEEK_RULES = (
 )
 
 
+# DeepSeek-V3's MTP modules (num_nextn_predict_layers) are stored as decoder layers
+# num_hidden_layers + k: the block's tensors under the usual names, plus these. transformers does
+# not load them; DeepSeek's release, vLLM and SGLang do. eh_proj is [D, 2D] over
+# [enorm(embedding); hnorm(hidden)], as dsjax's concatenation.
+MTP_RULES = (
+    Rule(_LAYER + "enorm.weight", ("mtp_enorm",), ("D",), False),
+    Rule(_LAYER + "hnorm.weight", ("mtp_hnorm",), ("D",), False),
+    Rule(_LAYER + "eh_proj.weight", ("mtp_eh_proj",), ("D", "DD"), True),
+    Rule(_LAYER + "shared_head.norm.weight", ("mtp_norm",), ("D",), False),
+    Rule(_LAYER + "embed_tokens.weight", ("embedding",), ("V", "D"), False, copy=True),
+    Rule(_LAYER + "shared_head.head.weight", ("lm_head",), ("V", "D"), True, copy=True),
+)
+
+
 def is_deepseek_moe(cfg: ModelConfig) -> bool:
     """True for the DeepSeek-V2/V3 layout (MLA and/or MoE), False for DeepSeek-LLM (Llama)."""
     return cfg.attention == "mla" or cfg.is_moe
@@ -167,7 +184,7 @@ def _hf_sizes(cfg: ModelConfig) -> dict[str, int]:
             "HQ": H * (A + P), "Q": cfg.q_lora_rank, "C": cfg.kv_lora_rank,
             "CP": cfg.kv_lora_rank + P, "HKV": H * (A + U), "HV": H * U,
             "E": cfg.n_routed_experts, "M": cfg.moe_intermediate_size,
-            "SM": cfg.n_shared_experts * cfg.moe_intermediate_size}
+            "SM": cfg.n_shared_experts * cfg.moe_intermediate_size, "DD": 2 * cfg.hidden_size}
 
 
 def tensor_plan(cfg: ModelConfig) -> dict[str, tuple[Rule, Any, tuple[int, ...]]]:
@@ -196,6 +213,27 @@ def tensor_plan(cfg: ModelConfig) -> dict[str, tuple[Rule, Any, tuple[int, ...]]
                 for j in range(cfg.n_routed_experts) if rule.per_expert else [None]:
                     index = (i - lo,) if j is None else (i - lo, j)
                     plan[rule.hf.format(i=i, j=j)] = (resolved, index, shape)
+    if deepseek:
+        plan.update(_mtp_plan(cfg, sizes))
+    return plan
+
+
+def _mtp_plan(cfg: ModelConfig, sizes: dict[str, int]) -> dict[str, tuple[Rule, Any, tuple]]:
+    """`tensor_plan`'s entries of the MTP modules: module k is HF layer num_layers + k, its
+    block (a MoE block in a MoE model, as V3's) in the dsjax stack "mtp_layers"."""
+    plan = {}
+    kind = "moe" if cfg.is_moe else "dense"
+    blocks = [r for r in _rules(cfg) if r.per_layer and r.layers in ("all", kind)]
+    for k in range(cfg.num_mtp_layers):
+        i = cfg.num_layers + k
+        for rule in MTP_RULES:
+            shape = tuple(sizes[d] for d in rule.hf_dims)
+            plan[rule.hf.format(i=i)] = (rule, None if rule.copy else (k,), shape)
+        for rule in blocks:
+            resolved = dataclasses.replace(rule, leaf=("mtp_layers",) + rule.leaf[1:])
+            shape = tuple(sizes[d] for d in rule.hf_dims)
+            for j in range(cfg.n_routed_experts) if rule.per_expert else [None]:
+                plan[rule.hf.format(i=i, j=j)] = (resolved, (k,) if j is None else (k, j), shape)
     return plan
 
 
@@ -211,6 +249,10 @@ def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     shapes = {tuple(k.key for k in path): tuple(x.shape) for path, x in flat}
     plan = tensor_plan(cfg)
     covered = {rule.leaf for rule, _, _ in plan.values()}
+    if cfg.num_mtp_layers and not is_deepseek_moe(cfg):
+        raise ConvertError("model.num_mtp_layers: MTP modules are converted in the DeepSeek-V3 "
+                           "layout only (MLA and/or MoE models); a DeepSeek-LLM (Llama) "
+                           "checkpoint has no place for them")
     odd = sorted(set(shapes) ^ covered)
     for _, (rule, layer, hf_shape) in plan.items():
         shape = shapes.get(rule.leaf, ())[len(np.atleast_1d(layer)) if layer is not None else 0:]
@@ -413,6 +455,7 @@ def _deepseek_config_from_hf(hf: dict, fail) -> ModelConfig:
             q_lora_rank=integer("q_lora_rank", 0, minimum=0),
             kv_lora_rank=integer("kv_lora_rank"), qk_nope_head_dim=integer("qk_nope_head_dim"),
             qk_rope_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
+            num_mtp_layers=integer("num_nextn_predict_layers", 0, minimum=0) if v3 else 0,
             **yarn, **moe)
         _validate_deepseek(cfg)
     except ConfigError as e:
@@ -439,7 +482,8 @@ _DEEPSEEK_COMPARED = (
     "v_head_dim", "rope_scaling", "rope_factor", "rope_original_max_len", "rope_beta_fast",
     "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "n_routed_experts",
     "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group",
-    "routed_scaling_factor", "scoring", "norm_topk_prob", "first_k_dense_replace")
+    "routed_scaling_factor", "scoring", "norm_topk_prob", "first_k_dense_replace",
+    "num_mtp_layers")
 
 
 def check_same_model(hf_model: ModelConfig, dsjax_model: ModelConfig, where: str) -> None:
@@ -522,6 +566,10 @@ def _deepseek_hf_config(cfg: ModelConfig, torch_dtype: str, out: dict) -> dict:
                                    "export a softmax router only with norm_topk_prob=False")
     if v3:
         out["num_nextn_predict_layers"] = cfg.num_mtp_layers
+    elif cfg.num_mtp_layers:
+        raise ConvertError("model.num_mtp_layers: only DeepSeek-V3 checkpoints (a MoE model with "
+                           "the sigmoid router) hold MTP modules; export with num_mtp_layers=0 "
+                           "or a V3-style model")
     return dict(sorted(out.items()))
 
 
@@ -578,18 +626,25 @@ def check_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> dict:
 FP8_TAG, SCALE_SUFFIX, FP8_BLOCK = "F8_E4M3", "_scale_inv", 128  # DeepSeek-V3's fp8 release
 
 
+def _mtp_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig, first: int) -> set[str]:
+    """Names of DeepSeek-V3 MTP-module tensors: layers >= `first` of a model of cfg.num_layers
+    decoder layers (fp8 block scales included)."""
+    prefix, out = "model.layers.", set()
+    if not is_deepseek_moe(cfg):
+        return out
+    for n in weights.tensors:
+        index = n[len(prefix):].split(".")[0] if n.startswith(prefix) else ""
+        if index.isdigit() and int(index) >= first:
+            out.add(n)
+    return out
+
+
 def _ignored_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> set[str]:
-    """Tensors read with others or skipped: fp8 block scales; DeepSeek-V3's MTP modules, stored
-    as layers num_layers.. (skipped, as transformers does)."""
+    """Tensors read with others or skipped: fp8 block scales; DeepSeek-V3 MTP modules beyond
+    cfg.num_mtp_layers (`hf_to_orbax` says so when it skips them)."""
     ignored = {n for n in weights.tensors if n.endswith(SCALE_SUFFIX)
                and weights.tensors.get(n[:-len(SCALE_SUFFIX)]) is not None}
-    if is_deepseek_moe(cfg):
-        prefix = "model.layers."
-        for n in weights.tensors:
-            if n.startswith(prefix) and n[len(prefix):].split(".")[0].isdigit() \
-                    and int(n[len(prefix):].split(".")[0]) >= cfg.num_layers:
-                ignored.add(n)
-    return ignored
+    return ignored | _mtp_tensors(weights, cfg, cfg.num_layers + cfg.num_mtp_layers)
 
 
 def read_tensor(weights: SafetensorsCheckpoint, name: str) -> np.ndarray:
@@ -638,11 +693,24 @@ def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
                            "config.json beside its weights)")
     source = _read_json(config_path)
     cfg = model_config_from_hf(source, config_path)
+    weights = open_directory(hf_dir)
+    if cfg.num_mtp_layers and not _mtp_tensors(weights, cfg, cfg.num_layers):
+        # transformers builds no MTP modules, so its save_pretrained writes none.
+        log(f"hf-to-orbax: {config_path} has num_nextn_predict_layers={cfg.num_mtp_layers} but "
+            f"the weights hold no MTP module (no model.layers.{cfg.num_layers}.*): importing "
+            f"without MTP (num_mtp_layers=0)")
+        cfg = dataclasses.replace(cfg, num_mtp_layers=0)
     if model_cfg is not None:
+        if cfg.num_mtp_layers and not model_cfg.num_mtp_layers:
+            cfg = dataclasses.replace(cfg, num_mtp_layers=0)  # the dsjax config drops MTP
         check_same_model(cfg, model_cfg, config_path)
         cfg = model_cfg
-    weights = open_directory(hf_dir)
     plan = check_tensors(weights, cfg)
+    skipped = _mtp_tensors(weights, cfg, cfg.num_layers + cfg.num_mtp_layers)
+    if skipped:
+        log(f"hf-to-orbax: skipping {len(skipped)} tensors of MTP modules past "
+            f"num_mtp_layers={cfg.num_mtp_layers} (layers >= "
+            f"{cfg.num_layers + cfg.num_mtp_layers})")
     shapes = leaf_shapes(cfg)
     _require_empty(out_dir, "--out")
     log(f"hf-to-orbax: {len(plan)} tensors from {len(weights.files)} file(s) in {hf_dir}")
@@ -652,6 +720,13 @@ def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
     leaves = {path: np.empty(shape, np.float32) for path, shape in shapes.items()}
     for name, (rule, layer, _) in plan.items():
         dest = leaves[rule.leaf] if layer is None else leaves[rule.leaf][layer]
+        if rule.copy:  # after the leaf itself (the plan is rule-major, MTP rules last)
+            if not np.array_equal(rule.to_dsjax(read_tensor(weights, name), dest.shape)
+                                  .astype(np.float32), dest):
+                raise ConvertError(f"tensor {name} in {weights.tensors[name].file}: differs from "
+                                   f"{'/'.join(rule.leaf)}'s tensor; dsjax's MTP modules share "
+                                   "the main embedding and output head (DeepSeek-V3 §2.2)")
+            continue
         dest[...] = rule.to_dsjax(read_tensor(weights, name), dest.shape)
         if not np.isfinite(dest).all():
             raise ConvertError(f"tensor {name} in {weights.tensors[name].file}: contains NaN or "

@@ -29,18 +29,23 @@ Schedules, for S stages, M microbatches, R repeats (bubble = idle share of a sta
   The loss is a `jax.custom_vjp` whose forward runs the whole schedule and whose backward
   returns the gradients it computed, so `train_step` differentiates it like any loss.
 
-Embedding, final norm and output head are replicated over stages (their specs never name
-`pipeline`): every stage stores them, their gradients and optimizer moments (2 x V x D params:
+Embedding, final norm, output head and MTP modules are replicated over stages (their specs never
+name `pipeline`): every stage stores them, their gradients and optimizer moments (2 x V x D params:
 0.84B for DeepSeek-7B, ~13 GB of fp32 params + Adam moments per device). Stage 0 embeds; the
 head runs on the last stage's outputs, split over all stages for gpipe/circular (a reduce-scatter
-of the outputs, then M/S microbatches' head and loss per stage), on the last stage for 1f1b.
+of the outputs, then M/S microbatches' head and loss per stage), on the last stage for 1f1b. MTP
+modules (DeepSeek-V3 §2.2) run with the head on the same hidden states (`_mtp_terms`); each
+module's loss is its NLL summed over microbatches over the batch's count of valid positions.
 
 Microbatch m of a global batch [B, ...] is rows m, M + m, 2M + m, ...: the reshape
 [B] -> [B/M, M] keeps the `data` sharding of the rows, so no data moves.
 
-MoE models (every layer a MoE block, stack "moe_layers"): each stage also returns its blocks'
-balance terms and expert loads, which the schedules sum over microbatches, so the loss comes with
-the unpipelined model's "aux" terms for the whole batch (`Pipelined.loss_and_aux`).
+MoE models (stack "moe_layers"): each stage also returns its blocks' balance terms and expert
+loads, which the schedules sum over microbatches, so the loss comes with the unpipelined model's
+"aux" terms for the whole batch (`Pipelined.loss_and_aux`). Their leading dense blocks
+(`first_k_dense_replace`, params "layers", logical axis "extra_layers") are replicated over the
+stages like the embedding and run on stage 0 right after it (`_embed`), under a `lax.cond` on the
+stage index so the other stages skip them.
 """
 
 from __future__ import annotations
@@ -56,11 +61,14 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8, sharding
 from dsjax.config import ConfigError, PipelineConfig
-from dsjax.model.decoder import Transformer, embed_tokens, output_logits, weighted_cross_entropy
+from dsjax.model.decoder import (Transformer, embed_tokens, mtp_weights, output_logits,
+                                 weighted_cross_entropy)
 from dsjax.model.layers import RMSNorm
 
 STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
 MICRO_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+# The MTP modules' params: replicated over the stages, run with the head (`_mtp_terms`).
+MTP_KEYS = ("mtp_enorm", "mtp_hnorm", "mtp_norm", "mtp_eh_proj", "mtp_layers")
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1,
@@ -103,18 +111,28 @@ class Pipelined:
     def chunks(self) -> int:
         return self.stages * (self.repeats if self.schedule == "circular" else 1)
 
+    @property
+    def prefix(self) -> int:
+        """Leading layers that run before the stages, on stage 0: a MoE model's dense blocks
+        (`first_k_dense_replace`); 0 for a dense model."""
+        cfg = self.model.cfg
+        return cfg.first_k_dense_replace if cfg.is_moe else 0
+
     def chunk_model(self) -> Transformer:
-        """The decoder restricted to one chunk of layers (every chunk makes the same choices)."""
-        m = self.model
-        n = m.cfg.num_layers // self.chunks
-        return m.clone(parent=None, cfg=dataclasses.replace(m.cfg, num_layers=n),
-                       layer_policies=tuple(m.layer_policies)[:n],
-                       fp8_layers=tuple(m.fp8_layers)[:n])
+        """The decoder restricted to one chunk of the pipelined layers (every chunk makes the
+        same choices; the dense prefix and MTP are not part of it)."""
+        m, k = self.model, self.prefix
+        n = (m.cfg.num_layers - k) // self.chunks
+        return m.clone(parent=None, cfg=dataclasses.replace(m.cfg, num_layers=n,
+                                                            first_k_dense_replace=0,
+                                                            num_mtp_layers=0),
+                       layer_policies=tuple(m.layer_policies)[k:k + n],
+                       fp8_layers=tuple(m.fp8_layers)[k:k + n])
 
     @property
     def stack(self) -> str:
-        """The params key of the pipelined layer stack. Config validation makes every layer of a
-        MoE model a MoE block under a pipeline (`first_k_dense_replace` 0), so there is one."""
+        """The params key of the pipelined layer stack: a MoE model's MoE blocks (its dense
+        prefix, params "layers", runs on stage 0 before them, see `_embed`), else every block."""
         return "moe_layers" if self.model.cfg.is_moe else "layers"
 
     def loss(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
@@ -138,12 +156,16 @@ class Pipelined:
             raise ConfigError(f"pipeline.microbatches: a batch of {rows} rows does not split "
                               f"into {self.microbatches} microbatches")
         count = jnp.sum(batch["weights"])
+        # Each MTP module's loss is its mean over the whole batch's valid positions: [n].
+        mtp_count = jnp.sum(mtp_weights(batch["weights"], self.model.cfg.num_mtp_layers),
+                            axis=(1, 2))
         micro = _microbatches(batch, self.microbatches)
         if self.schedule == "1f1b":
-            nll, aux = _one_f_one_b_loss(self, params, fp8_meta or {}, micro, count)
+            nll, aux = _one_f_one_b_loss(self, params, fp8_meta or {}, micro, count, mtp_count)
             return nll, count, aux
-        total, balance, load_LE = _forward_pipeline(self, params, fp8_meta or {}, micro)
-        return total / jnp.maximum(count, 1.0), count, _aux_terms(self, balance, load_LE)
+        total, balance, load_LE, mtp = _forward_pipeline(self, params, fp8_meta or {}, micro)
+        return (total / jnp.maximum(count, 1.0), count,
+                _aux_terms(self, balance, load_LE, mtp, mtp_count))
 
 
 def make(model: Transformer, cfg: PipelineConfig, stages: int, typed: bool) -> Pipelined:
@@ -159,14 +181,27 @@ def make(model: Transformer, cfg: PipelineConfig, stages: int, typed: bool) -> P
 # ---------------------------------------------------------------------------------------------
 # Layout helpers.
 
-def _aux_terms(pipe: Pipelined, balance: jax.Array | None, load_LE: jax.Array | None
-               ) -> dict[str, jax.Array]:
-    """The model's "aux" terms from its balance terms summed over layers and microbatches and
-    its per-layer loads [L, E] ({} for a dense model, whose schedules return None)."""
-    if balance is None:
-        return {}
-    return {"aux_loss": pipe.model.cfg.aux_loss_alpha * balance / pipe.microbatches,
-            "moe_load": load_LE}
+def _aux_terms(pipe: Pipelined, balance: jax.Array | None, load_LE: jax.Array | None,
+               mtp: dict[str, jax.Array], mtp_count: jax.Array) -> dict[str, jax.Array]:
+    """The model's "aux" terms, as the unpipelined model sows them, from the stages' balance
+    terms summed over layers and microbatches, their per-layer loads [L, E] (None, None for a
+    dense model) and the MTP head's sums (`_mtp_terms`, summed over microbatches; {} without
+    MTP). MTP blocks' loads come after the layers', as in the unpipelined model."""
+    cfg = pipe.model.cfg
+    aux: dict[str, jax.Array] = {}
+    aux_loss = jnp.zeros((), jnp.float32)
+    if balance is not None:
+        if "balance" in mtp:
+            balance = balance + jnp.sum(mtp["balance"])
+            load_LE = jnp.concatenate([load_LE, mtp["load"]])
+        aux_loss += cfg.aux_loss_alpha * balance / pipe.microbatches
+        aux["moe_load"] = load_LE
+    if mtp:
+        aux["mtp_loss"] = mtp["nll"] / jnp.maximum(mtp_count, 1.0)
+        aux_loss += cfg.mtp_loss_weight * jnp.mean(aux["mtp_loss"])
+    if aux:
+        aux["aux_loss"] = aux_loss
+    return aux
 
 
 def _microbatches(batch: dict[str, jax.Array], M: int) -> dict[str, jax.Array]:
@@ -240,6 +275,38 @@ def _index(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
+def _embed(pipe: Pipelined, top: Any, tokens_BS: jax.Array, positions_BS: jax.Array,
+           segment_ids_BS: jax.Array) -> jax.Array:
+    """Stage 0's input: the embedding, then a MoE model's dense prefix blocks (whose params,
+    "layers", are replicated over the stages like the embedding). [B, S] -> [B, S, D]."""
+    model = pipe.model
+    x_BSD = embed_tokens(top["embedding"], tokens_BS, model.dtype)
+    if not pipe.prefix:
+        return x_BSD
+    x_BSD, _ = model.run_layers(x_BSD, {"params": top["layers"]}, positions_BS, segment_ids_BS,
+                                0, pipe.prefix)
+    return x_BSD
+
+
+def _mtp_terms(pipe: Pipelined, top: Any, x_BSD: jax.Array, mb: dict[str, jax.Array],
+               rows_in: int = 1) -> dict[str, jax.Array]:
+    """The MTP modules on final-stage activations x [B, S, D] (before final_norm) of rows `mb`
+    (`MICRO_KEYS` arrays [B, S]) that hold `rows_in` microbatches: {"nll": summed weighted NLL
+    per module [n]; MoE models also "balance" [n] (each module's balance term, summed over the
+    microbatches) and "load" [n, E]}. {} without MTP."""
+    model = pipe.model
+    if not model.cfg.num_mtp_layers:
+        return {}
+    sums, _, stats = model.mtp_sums({k: top[k] for k in MTP_KEYS}, x_BSD, top["embedding"],
+                                    top["lm_head"], mb["inputs"], mb["positions"],
+                                    mb["segment_ids"], mb["targets"], mb["weights"])
+    out = {"nll": sums}
+    if stats:  # per module a mean over rows: x rows_in = the sum of the microbatches' means
+        out["balance"] = jnp.concatenate([s["balance"] for s in stats]) * rows_in
+        out["load"] = jnp.concatenate([s["load"] for s in stats])
+    return out
+
+
 def _head_nll(model: Transformer, top: Any, x_BSD: jax.Array, targets_BS: jax.Array,
               weights_BS: jax.Array) -> jax.Array:
     """Final norm, output head and summed weighted NLL of final-stage activations."""
@@ -253,20 +320,27 @@ def _fold(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
+def _unfold(a: jax.Array, n: int) -> jax.Array:
+    """[n * b, ...] -> [n, b, ...]."""
+    return a.reshape(n, a.shape[0] // n, *a.shape[1:])
+
+
 # ---------------------------------------------------------------------------------------------
 # GPipe and circular: a forward-only pipeline; jax.grad differentiates through it.
 
 def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.Array]
-                      ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+                      ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, dict]:
     """(summed weighted NLL of the global batch, MoE balance terms summed over layers and
-    microbatches, per-layer expert loads [L, E]; None, None for a dense model), the layers
-    pipelined over `pipeline`."""
+    microbatches, per-layer expert loads [L, E]; None, None for a dense model; the MTP head's
+    sums, `_mtp_terms`), the layers pipelined over `pipeline`. Each stage runs the head and MTP
+    on its M/S microbatches of the last stage's outputs."""
     S, M = pipe.stages, pipe.microbatches
     R = pipe.repeats if pipe.schedule == "circular" else 1
     T = ticks(pipe.schedule, S, M, R)
     model, chunk_model = pipe.model, pipe.chunk_model()
     moe = model.cfg.is_moe
     chunks, top = _split_params(params, meta, pipe.stack)
+    x_shape = jax.eval_shape(lambda: embed_tokens(top["embedding"], micro["inputs"], model.dtype))
     # A lap of the ring ends on the last stage; with R > 1 it continues on stage 0.
     perm = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
 
@@ -277,7 +351,12 @@ def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
         chunks = _interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
             lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
         s = lax.axis_index(STAGE)
-        x_MBSD = embed_tokens(top["embedding"], micro["inputs"], model.dtype)
+        if pipe.prefix:  # the dense prefix blocks run on stage 0 only
+            x_MBSD = lax.cond(s == 0, lambda: _unfold(_embed(
+                pipe, top, *(_fold(micro[k]) for k in ("inputs", "positions", "segment_ids"))),
+                M), lambda: jnp.zeros(x_shape.shape, x_shape.dtype))
+        else:
+            x_MBSD = embed_tokens(top["embedding"], micro["inputs"], model.dtype)
 
         def tick(carry, t):
             state_BSD, laps_MBSD, balance_RL, load_RLE = carry  # from the previous stage;
@@ -303,7 +382,7 @@ def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
 
         state = jnp.zeros_like(x_MBSD[0])
         laps = jnp.zeros_like(x_MBSD) if R > 1 else jnp.zeros((), x_MBSD.dtype)
-        Lc, E = model.cfg.num_layers // (R * S), model.cfg.n_routed_experts
+        Lc, E = chunk_model.cfg.num_layers, model.cfg.n_routed_experts
         balance = jnp.zeros((R, Lc) if moe else (), jnp.float32)
         load = jnp.zeros((R, Lc, E) if moe else (), jnp.float32)
         if pipe.typed:
@@ -317,20 +396,21 @@ def _forward_pipeline(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
         n = M // S
         mine_mBSD = _scatter_from_last(ys_TBSD[T - M:], S, n)
         pick = lambda a: lax.dynamic_slice_in_dim(a, s * n, n, 0)
-        nll = _head_nll(model, top, _fold(mine_mBSD), _fold(pick(micro["targets"])),
-                        _fold(pick(micro["weights"])))
+        mine = {k: _fold(pick(micro[k])) for k in MICRO_KEYS}
+        nll = _head_nll(model, top, _fold(mine_mBSD), mine["targets"], mine["weights"])
+        mtp = lax.psum(_mtp_terms(pipe, top, _fold(mine_mBSD), mine, n), STAGE)
         if not moe:
-            return lax.psum(nll, STAGE)
-        return lax.psum(nll, STAGE), lax.psum(jnp.sum(balance), STAGE), load
+            return lax.psum(nll, STAGE), mtp
+        return lax.psum(nll, STAGE), mtp, lax.psum(jnp.sum(balance), STAGE), load
 
     # MoE loads: stage s's [R, Lc, E] -> [R, S*Lc, E], whose row-major order is the layer order.
     out = jax.shard_map(body, in_specs=(_stage_specs(chunks), P(), P()),
-                        out_specs=(P(), P(), P(None, STAGE)) if moe else P(),
+                        out_specs=(P(), P(), P(), P(None, STAGE)) if moe else (P(), P()),
                         axis_names={STAGE}, check_vma=pipe.typed)(chunks, top, micro)
     if not moe:
-        return out, None, None
-    nll, balance, load_RXE = out
-    return nll, balance, load_RXE.reshape(-1, load_RXE.shape[-1])
+        return out[0], None, None, out[1]
+    nll, mtp, balance, load_RXE = out
+    return nll, balance, load_RXE.reshape(-1, load_RXE.shape[-1]), mtp
 
 
 def _scatter_from_last(out_MBSD: jax.Array, S: int, n: int) -> jax.Array:
@@ -348,17 +428,18 @@ def _scatter_from_last(out_MBSD: jax.Array, S: int, n: int) -> jax.Array:
 # 1F1B: forwards and backwards interleaved in one scan, gradients by hand.
 
 def _one_f_one_b_loss(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.Array],
-                      count: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                      count: jax.Array, mtp_count: jax.Array
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(mean NLL, the model's aux terms) whose gradient (w.r.t. params and, for delayed fp8, the
     amax observations of fp8_meta) the schedule computes itself: the NLL carries the gradient of
     the objective NLL + aux_loss (see `Pipelined.loss_and_aux`)."""
 
     @jax.custom_vjp
     def objective(params, meta):
-        return _one_f_one_b(pipe, params, meta, micro, count)[0]
+        return _one_f_one_b(pipe, params, meta, micro, count, mtp_count)[0]
 
     def fwd(params, meta):
-        out, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count)
+        out, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count, mtp_count)
         return out, (grads, meta_grads)
 
     def bwd(res, ct):
@@ -368,9 +449,9 @@ def _one_f_one_b_loss(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, 
         return jax.tree.map(lambda g: g * ct[0], grads), meta_grads
 
     objective.defvjp(fwd, bwd)
-    value, (nll, balance, load_LE) = objective(params, meta)
+    value, (nll, balance, load_LE, mtp) = objective(params, meta)
     return (lax.stop_gradient(nll) + (value - lax.stop_gradient(value)),
-            _aux_terms(pipe, *lax.stop_gradient((balance, load_LE))))
+            _aux_terms(pipe, *lax.stop_gradient((balance, load_LE, mtp)), mtp_count))
 
 
 def _zeros(shapes: Any, typed: bool) -> Any:
@@ -379,11 +460,12 @@ def _zeros(shapes: Any, typed: bool) -> Any:
 
 
 def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.Array],
-                 count: jax.Array) -> tuple[Any, Any, Any]:
-    """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense)), the
-    objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B schedule. The
-    objective is the mean NLL plus, for MoE models, alpha x the balance terms summed over layers
-    and averaged over microbatches (`Pipelined.loss_and_aux`)."""
+                 count: jax.Array, mtp_count: jax.Array) -> tuple[Any, Any, Any]:
+    """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense; MTP sums,
+    `_mtp_terms`)), the objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B
+    schedule. The objective is the mean NLL plus, for MoE models, alpha x the balance terms
+    summed over layers and averaged over microbatches, plus mtp_loss_weight x the mean of the
+    MTP modules' losses (`Pipelined.loss_and_aux`). `mtp_count`: each module's weight sum [n]."""
     S, M = pipe.stages, pipe.microbatches
     T, K = ticks("1f1b", S, M), 2 * S - 1  # ticks; stash slots (>= microbatches in flight)
     model, chunk_model = pipe.model, pipe.chunk_model()
@@ -393,15 +475,17 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
     # resharding of experts) deadlock XLA:CPU, whose collective-permute rendezvous waits for
     # every device, or fail XLA's SPMD partitioner. The bubble is then 2(S-1) ticks, not S-1.
     branchless = moe
+    n_mtp = model.cfg.num_mtp_layers
     chunks, top = _split_params(params, meta, pipe.stack)
     has_meta = fp8.META_COLLECTION in chunks
     typed = pipe.typed
     inv_count = 1.0 / jnp.maximum(count, 1.0)
+    inv_mtp = 1.0 / jnp.maximum(mtp_count, 1.0)
 
     # Block: manual over `pipeline`. chunks [L/S, ...], top and micro [M, B/M, S] replicated
     # -> loss (psummed), layer grads [L/S, ...] and meta observations, top grads (psummed);
     # MoE: the balance sum (psummed) and this stage's loads [L/S, E].
-    def body(chunks, top, micro, inv_count):
+    def body(chunks, top, micro, inv_count, inv_mtp):
         stage_vars = chunks  # [Lc, ...]
         if typed:
             # Varying: each stage's vjp then returns its own gradient of the replicated params
@@ -414,14 +498,28 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
         def stage(variables, x_BSD, m):  # (y, MoE stats or None)
             return _run_chunk(chunk_model, variables, x_BSD, pos[m], seg[m])
 
-        def embed(emb, m):
-            return embed_tokens(emb, micro["inputs"][m], model.dtype)
+        def embed(emb, m):  # `emb`: the embedding, and the dense prefix's "layers" if any
+            sub = emb if isinstance(emb, dict) else {"embedding": emb}
+            return _embed(pipe, sub, micro["inputs"][m], pos[m], seg[m])
+
+        # What stage 0 differentiates before the stages: the embedding and the dense prefix.
+        def front(top):
+            return ({k: top[k] for k in ("embedding", "layers")} if pipe.prefix
+                    else top["embedding"])
 
         def head(top, y_BSD, m):
-            return _head_nll(model, top, y_BSD, micro["targets"][m],
-                             micro["weights"][m]) * inv_count
+            """(this microbatch's share of the objective, (its NLL share, MTP sums))."""
+            nll = _head_nll(model, top, y_BSD, micro["targets"][m],
+                            micro["weights"][m]) * inv_count
+            mtp = _mtp_terms(pipe, top, y_BSD, {k: micro[k][m] for k in MICRO_KEYS})
+            value = nll
+            if mtp:
+                value += model.cfg.mtp_loss_weight * jnp.mean(mtp["nll"] * inv_mtp)
+            if "balance" in mtp:
+                value += model.cfg.aux_loss_alpha * jnp.sum(mtp["balance"]) / M
+            return value, (nll, mtp)
 
-        x_shape = jax.eval_shape(embed, top["embedding"], 0)
+        x_shape = jax.eval_shape(embed, front(top), 0)
         grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
         out_shapes = jax.eval_shape(lambda: stage(stage_vars, _zeros(x_shape, typed), 0))
         # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term
@@ -434,12 +532,15 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
             stats_ct = lax.pcast(stats_ct, STAGE, to="varying")
 
         def tick(carry, t):
-            fwd_BSD, bwd_BSD, stash_KBSD, acc, loss, stats_acc = carry
+            fwd_BSD, bwd_BSD, stash_KBSD, acc, loss, stats_acc, mtp_acc = carry
             # Forward slot: microbatch t - s.
             mf = t - s
             on_f = (mf >= 0) & (mf < M)
             mf = jnp.clip(mf, 0, M - 1)
-            in_BSD = jnp.where(first, embed(top["embedding"], mf), fwd_BSD)
+            if pipe.prefix:  # dense blocks: only stage 0 runs them
+                in_BSD = lax.cond(first, lambda: embed(front(top), mf), lambda: fwd_BSD)
+            else:
+                in_BSD = jnp.where(first, embed(front(top), mf), fwd_BSD)
             if branchless:  # an idle slot runs on filler; its stats count for nothing
                 y_BSD, stats = stage(stage_vars, in_BSD, mf)
                 stats = jax.tree.map(lambda a: jnp.where(on_f, a, 0.0), stats)
@@ -452,13 +553,20 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
                 stash_KBSD, jnp.where(on_f, in_BSD, slot), mf % K, 0)
 
             # The last stage turns its output into the loss and the loss gradient at once.
-            def loss_and_grad():
-                nll, vjp = jax.vjp(lambda top, y: head(top, y, mf), top, y_BSD)
-                d_top, dy = vjp(jnp.ones_like(nll))
-                return nll, d_top, dy
-            nll, d_top_head, dy_BSD = lax.cond(
-                on_f & last, loss_and_grad,
-                lambda: _zeros(jax.eval_shape(loss_and_grad), typed))
+            def loss_and_grad(scale=1.0):
+                value, vjp, aux = jax.vjp(lambda top, y: head(top, y, mf), top, y_BSD,
+                                          has_aux=True)
+                d_top, dy = vjp(jnp.ones_like(value) * scale)
+                return aux, d_top, dy
+            if branchless and n_mtp:  # MoE blocks in the MTP modules: no branch (see above)
+                use = (on_f & last).astype(jnp.float32)
+                (nll, mtp), d_top_head, dy_BSD = jax.tree.map(
+                    lambda a: jnp.where(use > 0, a, 0.0), loss_and_grad(use))
+            else:
+                (nll, mtp), d_top_head, dy_BSD = lax.cond(
+                    on_f & last, loss_and_grad,
+                    lambda: _zeros(jax.eval_shape(loss_and_grad), typed))
+            mtp_acc = jax.tree.map(jnp.add, mtp_acc, mtp)
 
             # Backward slot: microbatch t - 2(S-1) + s, its output gradient from stage s+1 (on
             # the last stage: the one just computed). Recompute the stage forward, then its vjp.
@@ -478,42 +586,50 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
                                           lambda: _zeros(jax.eval_shape(stage_grad), typed))
 
             def embed_grad():
-                _, vjp = jax.vjp(lambda e: embed(e, mb), top["embedding"])
+                _, vjp = jax.vjp(lambda e: embed(e, mb), front(top))
                 return vjp(dx_BSD)[0]
-            d_emb = lax.cond(on_b & first, embed_grad,
-                             lambda: _zeros(jax.eval_shape(embed_grad), typed))
+            d_front = lax.cond(on_b & first, embed_grad,
+                               lambda: _zeros(jax.eval_shape(embed_grad), typed))
 
             d_stage, d_top = acc
             d_top = jax.tree.map(jnp.add, d_top, d_top_head)
-            d_top = {**d_top, "embedding": d_top["embedding"] + d_emb}
+            if pipe.prefix:
+                d_top = {**d_top, **jax.tree.map(jnp.add, front(d_top), d_front)}
+            else:
+                d_top = {**d_top, "embedding": d_top["embedding"] + d_front}
             new_stage = {"params": jax.tree.map(jnp.add, d_stage["params"], d_vars["params"])}
             if has_meta:  # amax observations combine by maximum, gradients add
                 new_stage[fp8.META_COLLECTION] = fp8.combine(d_stage[fp8.META_COLLECTION],
                                                              d_vars[fp8.META_COLLECTION])
             carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
                      lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
-                     stash_KBSD, (new_stage, d_top), loss + nll, stats_acc)
+                     stash_KBSD, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
             return carry, None
 
         zero_x = _zeros(x_shape, typed)
         init = (zero_x, zero_x, _zeros(jax.ShapeDtypeStruct((K, *x_shape.shape), x_shape.dtype),
                                        typed),
                 _zeros(grad_shapes, typed), _zeros(jax.ShapeDtypeStruct((), jnp.float32), typed),
-                _zeros(out_shapes[1], typed))
-        (_, _, _, (d_stage, d_top), loss, stats), _ = lax.scan(tick, init, jnp.arange(T))
+                _zeros(out_shapes[1], typed),
+                _zeros(jax.eval_shape(lambda: head(top, zero_x, 0)[1][1]), typed))
+        (_, _, _, (d_stage, d_top), loss, stats, mtp), _ = lax.scan(tick, init, jnp.arange(T))
         loss = lax.psum(loss, STAGE)
+        mtp = lax.psum(mtp, STAGE) if mtp else mtp  # the last stage's sums
+        objective = loss
+        if mtp:
+            objective += model.cfg.mtp_loss_weight * jnp.mean(mtp["nll"] * inv_mtp)
         if not moe:
-            return (loss, loss, None, None), d_stage, lax.psum(d_top, STAGE)
+            return (objective, loss, None, None, mtp), d_stage, lax.psum(d_top, STAGE)
         balance = lax.psum(jnp.sum(stats["balance"]), STAGE)
-        objective = loss + model.cfg.aux_loss_alpha * balance / M
-        return (objective, loss, balance, stats["load"]), d_stage, lax.psum(d_top, STAGE)
+        objective += model.cfg.aux_loss_alpha * (balance + jnp.sum(mtp.get("balance", 0.0))) / M
+        return (objective, loss, balance, stats["load"], mtp), d_stage, lax.psum(d_top, STAGE)
 
     chunk_specs = _stage_specs(chunks)
     values, d_stack, d_top = jax.shard_map(
-        body, in_specs=(chunk_specs, P(), P(), P()),
-        out_specs=((P(), P(), P(), P(STAGE) if moe else None), chunk_specs, P()),
-        axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count)
-    objective, nll, balance, load_LE = values
+        body, in_specs=(chunk_specs, P(), P(), P(), P()),
+        out_specs=((P(), P(), P(), P(STAGE) if moe else None, P()), chunk_specs, P()),
+        axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count, inv_mtp)
+    objective, nll, balance, load_LE, mtp = values
     grads = {**d_top, pipe.stack: d_stack["params"]}
     meta_grads = {pipe.stack: d_stack[fp8.META_COLLECTION]} if has_meta else {}
-    return (objective, (nll, balance, load_LE)), grads, meta_grads
+    return (objective, (nll, balance, load_LE, mtp)), grads, meta_grads

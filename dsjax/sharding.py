@@ -41,6 +41,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     # over it, so the all-to-all stays inside the data-parallel group (docs/moe.md).
     ("expert", "data"),
     ("layers", None),  # with mesh.pipeline > 1: "pipeline" (stages, dsjax/pipeline.py)
+    ("extra_layers", None),  # stacks every stage holds whole: MoE's dense first blocks, MTP
     ("act_batch", "data"),
     ("act_seq", None),
     ("act_embed", None),

@@ -6,6 +6,7 @@ and (V3) a randomised correction bias, so a wrong mapping, a wrong RoPE pairing,
 rule or an ignored bias moves logits by O(1) or changes which experts a token picks.
 """
 
+import dataclasses
 import os
 
 import flax.linen as nn
@@ -196,8 +197,9 @@ def test_fp8_block_scaled_weights_are_dequantised_on_import(tmp_path):
     """V3's release stores matrices as float8_e4m3fn with one float32 `weight_scale_inv` per
     128x128 block (w = w_fp8 * scale); the MTP module sits in layer num_hidden_layers."""
     hf_dir = str(tmp_path / "hf")
-    model = save_random_deepseek(hf_dir, 3, seed=5, hidden_size=160,
-                                 num_attention_heads=4)  # 160 > 128: two blocks along D
+    # 160 > 128: two blocks along D. num_nextn_predict_layers=0: the MTP tensor below is skipped.
+    model = save_random_deepseek(hf_dir, 3, seed=5, hidden_size=160, num_attention_heads=4,
+                                 num_nextn_predict_layers=0)
     path = os.path.join(hf_dir, "model.safetensors")
     tensors = load_file(path)
     name = "model.layers.2.self_attn.q_a_proj.weight"  # [16, 160]
@@ -208,12 +210,59 @@ def test_fp8_block_scaled_weights_are_dequantised_on_import(tmp_path):
     tensors[name + "_scale_inv"] = scale
     tensors["model.layers.3.eh_proj.weight"] = torch.randn(160, 320)  # MTP: skipped
     save_file(tensors, path, metadata={"format": "pt"})
-    cfg = convert.hf_to_orbax(hf_dir, str(tmp_path / "ckpt"), log=quiet)
+    said = []
+    cfg = convert.hf_to_orbax(hf_dir, str(tmp_path / "ckpt"), log=said.append)
+    assert cfg.num_mtp_layers == 0 and any("skipping 1 tensors of MTP modules" in m for m in said)
     params = dsjax_params(str(tmp_path / "ckpt"), cfg)
     want = (tensors[name].to(torch.float32) * full).numpy()
     np.testing.assert_array_equal(np.asarray(params["moe_layers"]["attn"]["q_a"][1]), want.T)
     assert np.abs(want - w.numpy()).max() < 0.1 * np.abs(w.numpy()).max()  # fp8-close
     del model
+
+
+def test_mtp_modules_convert_both_ways(tmp_path):
+    """DeepSeek-V3 stores MTP module k as decoder layer num_hidden_layers + k (enorm, hnorm,
+    eh_proj, shared_head.norm, copies of the embedding and head, one MoE block). transformers
+    builds none, so its checkpoints import without MTP (said in the log); a dsjax model with MTP
+    exports them under those names and imports back bit-exactly, and a copy of the embedding
+    that differs from the embedding is refused."""
+    hf_dir = str(tmp_path / "hf")
+    save_random_deepseek(hf_dir, 3, seed=3)  # config.json: num_nextn_predict_layers=1
+    said = []
+    cfg = convert.hf_to_orbax(hf_dir, str(tmp_path / "plain"), log=said.append)
+    assert any("num_nextn_predict_layers=1 but the weights hold no MTP module" in m
+               for m in said), said
+    mtp_cfg = dataclasses.replace(cfg, num_mtp_layers=1)
+    rng = np.random.default_rng(7)
+    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
+                          nn.unbox(abstract_params(mtp_cfg)))
+    src, out, back = (str(tmp_path / d) for d in ("src", "out", "back"))
+    ckpt.save_params(src, params, mtp_cfg)
+    convert.orbax_to_hf(src, out, dtype="float32", log=quiet)
+    tensors = load_safetensors_dir(out)
+    L = cfg.num_layers
+    assert tensors[f"model.layers.{L}.eh_proj.weight"].shape == (64, 128)  # [D, 2D]
+    np.testing.assert_array_equal(tensors[f"model.layers.{L}.eh_proj.weight"].numpy(),
+                                  params["mtp_eh_proj"][0].T)
+    np.testing.assert_array_equal(tensors[f"model.layers.{L}.enorm.weight"].numpy(),
+                                  params["mtp_enorm"][0])
+    np.testing.assert_array_equal(tensors[f"model.layers.{L}.mlp.experts.5.up_proj.weight"]
+                                  .numpy(), params["mtp_layers"]["moe"]["up"][0, 5].T)
+    assert torch.equal(tensors[f"model.layers.{L}.embed_tokens.weight"],
+                       tensors["model.embed_tokens.weight"])
+    assert torch.equal(tensors[f"model.layers.{L}.shared_head.head.weight"],
+                       tensors["lm_head.weight"])
+    assert hf_model(out).config.num_nextn_predict_layers == 1  # transformers loads (and skips)
+    got = convert.hf_to_orbax(out, back, log=quiet)
+    assert got == mtp_cfg
+    restored = jax.device_get(dsjax_params(back, got))
+    jax.tree.map(np.testing.assert_array_equal, restored, params)
+    # A copy that is not a copy.
+    tensors[f"model.layers.{L}.embed_tokens.weight"][0, 0] += 1.0
+    path = os.path.join(out, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    with pytest.raises(convert.ConvertError, match=rf"model\.layers\.{L}\.embed_tokens"):
+        convert.hf_to_orbax(out, str(tmp_path / "bad"), log=quiet)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +429,30 @@ def test_tiny_moe_config_trains_with_falling_loss_and_logs_expert_load(tmp_path)
     assert "mtp_loss" in records[-1] and "aux_loss" in records[-1]
 
 
+def test_experts_run_fp8_gemms_and_train_with_remat():
+    """Experts' (and shared experts') gate/up/down as fp8 einsums (current scaling) with the
+    MoE-aware remat policy, experts over `data` with all-to-all: the first loss differs from the
+    float32 model's by quantisation only (every block is MoE and only gate/up/down are fp8, so
+    the difference is the experts'), and three steps on one batch lower it."""
+    flags = {"model.first_k_dense_replace": 0, "fp8.matmuls": "gate,up,down",
+             "fp8.other_dtype": "float32"}
+    exact = _trainer(**flags)
+    fp8_trainer = _trainer(**flags, **{"train.compute_dtype": "fp8",
+                                       "remat.policy": "names:moe_routed,kv_latent"})
+    batch = _batch(3)
+    _, m_exact = exact.step(exact.init(), exact.device_batch(batch))
+    state = fp8_trainer.init()
+    losses = []
+    for _ in range(3):
+        state, m = fp8_trainer.step(state, fp8_trainer.device_batch(batch))
+        losses.append(float(m["loss"]))
+    # Same init (same seed), so the first losses differ by the experts' e4m3 rounding only
+    # (a small positive gap); 0 would mean no expert ran in fp8.
+    gap = abs(losses[0] - float(m_exact["loss"]))
+    assert 0 < gap < 0.05 * float(m_exact["loss"]), (losses[0], float(m_exact["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"model.attention": "gqa"}, "model.attention"),
     ({"model.qk_rope_head_dim": 7}, "model.qk_rope_head_dim"),
@@ -395,6 +468,7 @@ def test_tiny_moe_config_trains_with_falling_loss_and_logs_expert_load(tmp_path)
     ({"model.n_routed_experts": 6, "model.n_group": 1}, "model.n_routed_experts"),  # 6 over data 4
     ({"optim.name": "onebit_adam", "optim.freeze_step": 1}, "model.n_routed_experts"),
     ({"model.n_routed_experts": 0}, "model.expert_parallel"),
+    ({"train.compute_dtype": "fp8", "fp8.recipe": "delayed"}, "fp8.recipe"),
 ])
 def test_invalid_moe_and_mla_values_name_the_field(overrides, field):
     from dsjax import config as config_lib  # pylint: disable=import-outside-toplevel

@@ -41,23 +41,30 @@ def _loss_and_grads(apply_fn, params, batch):
                                                                                       batch)
 
 
-@pytest.mark.parametrize("schedule, mesh, microbatches, repeats, layers, typed", [
-    ("gpipe", (2, 2, 2), 2, 1, 4, True),
+@pytest.mark.parametrize("schedule, mesh, microbatches, repeats, layers, typed, mtp", [
+    ("gpipe", (2, 2, 2), 2, 1, 4, True, 0),
     # Unchecked shard_map (what fp8 models run): gradients of replicated params still exact.
-    ("gpipe", (2, 2, 2), 2, 1, 4, False),
-    ("gpipe", (2, 2, 2), 4, 1, 4, True),
-    ("gpipe", (2, 1, 4), 4, 1, 4, True),
-    ("circular", (2, 2, 2), 2, 2, 4, True),
-    ("circular", (2, 2, 2), 4, 3, 6, True),  # 3 chunks per stage: 2 all_to_all slots per pair
-    pytest.param("circular", (2, 1, 4), 4, 2, 8, True, marks=pytest.mark.slow),
-    ("1f1b", (2, 2, 2), 2, 1, 4, True),
-    ("1f1b", (2, 2, 2), 2, 1, 4, False),
-    ("1f1b", (2, 2, 2), 4, 1, 4, True),
-    pytest.param("1f1b", (1, 1, 8), 8, 1, 8, True, marks=pytest.mark.slow),
+    ("gpipe", (2, 2, 2), 2, 1, 4, False, 0),
+    ("gpipe", (2, 2, 2), 4, 1, 4, True, 0),
+    ("gpipe", (2, 1, 4), 4, 1, 4, True, 0),
+    ("circular", (2, 2, 2), 2, 2, 4, True, 0),
+    ("circular", (2, 2, 2), 4, 3, 6, True, 0),  # 3 chunks per stage: 2 all_to_all slots per pair
+    pytest.param("circular", (2, 1, 4), 4, 2, 8, True, 0, marks=pytest.mark.slow),
+    ("1f1b", (2, 2, 2), 2, 1, 4, True, 0),
+    ("1f1b", (2, 2, 2), 2, 1, 4, False, 0),
+    ("1f1b", (2, 2, 2), 4, 1, 4, True, 0),
+    pytest.param("1f1b", (1, 1, 8), 8, 1, 8, True, 0, marks=pytest.mark.slow),
+    # MTP modules (DeepSeek-V3 §2.2) run with the head on the last stage's outputs.
+    ("gpipe", (2, 2, 2), 2, 1, 4, True, 2),
+    ("1f1b", (2, 2, 2), 2, 1, 4, True, 1),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats, layers,
-                                                typed):
-    cfg = _pipelined(mesh, schedule, microbatches, repeats, **{"model.num_layers": layers})
+                                                typed, mtp):
+    """Loss (with `mtp` modules: + the weighted MTP loss) and every gradient of the pipelined
+    model against the plain decoder on one device."""
+    cfg = _pipelined(mesh, schedule, microbatches, repeats, **{"model.num_layers": layers,
+                                                               "model.num_mtp_layers": mtp,
+                                                               "model.mtp_loss_weight": 0.5})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
     assert isinstance(state.apply_fn, pipeline.Pipelined)
@@ -65,6 +72,10 @@ def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, re
     # The layer stack is split over the stages, as the rules table says.
     assert trainer.state_shardings.params["layers"]["attn"]["q"].spec[0] == "pipeline"
     host_batch = random_batch(np.random.default_rng(1), 8, 16, vocab=128)
+    if mtp:  # every stage holds the MTP modules whole
+        assert "pipeline" not in jax.tree.leaves(
+            trainer.state_shardings.params["mtp_layers"]["attn"]["q"].spec)
+        assert state.params["mtp_layers"]["attn"]["q"].shape[0] == mtp
     with sharding.activate(trainer.mesh, trainer.rules):
         loss, grads = _loss_and_grads(apply_fn, state.params, trainer.device_batch(host_batch))
     # Reference: the same weights, the plain decoder, one device, no mesh.
@@ -257,23 +268,37 @@ def _objective_and_aux(apply_fn, params, batch):
     return jax.jit(jax.value_and_grad(objective, has_aux=True))(params, batch)
 
 
-@pytest.mark.parametrize("schedule, mesh, microbatches, repeats, expert_parallel", [
-    ("gpipe", (2, 2, 2), 2, 1, True),
-    ("1f1b", (2, 2, 2), 2, 1, True),
-    ("1f1b", (2, 1, 4), 4, 1, False),  # dense fallback: experts under GSPMD inside each stage
-    ("circular", (2, 2, 2), 2, 2, True),
-], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "schedule, mesh, microbatches, repeats, expert_parallel, dense, mtp", [
+        ("gpipe", (2, 2, 2), 2, 1, True, 0, 0),
+        ("1f1b", (2, 2, 2), 2, 1, True, 0, 0),
+        # dense fallback: experts under GSPMD inside each stage
+        ("1f1b", (2, 1, 4), 4, 1, False, 0, 0),
+        ("circular", (2, 2, 2), 2, 2, True, 0, 0),
+        # DeepSeek-V2/V3's layout: dense first blocks (on stage 0, before the stages), then MoE;
+        # V3's MTP module (a MoE block) with the head.
+        ("gpipe", (2, 2, 2), 2, 1, True, 2, 1),
+        ("1f1b", (2, 2, 2), 2, 1, True, 1, 1),
+        ("circular", (2, 1, 4), 4, 1, True, 1, 0),
+    ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats,
-                                                    expert_parallel):
+                                                    expert_parallel, dense, mtp):
     """Loss, gradients of loss + aux_loss, the aux loss and every layer's expert load of a MoE
-    model, pipelined, against the plain decoder on one device with the same weights."""
-    cfg = _moe_pipelined(mesh, schedule, microbatches, **{"pipeline.repeats": repeats,
-                                                          "model.expert_parallel":
-                                                          expert_parallel})
+    model, pipelined, against the plain decoder on one device with the same weights. `dense`:
+    leading dense blocks (first_k_dense_replace) ahead of the 4 MoE blocks; `mtp`: MTP
+    modules, whose MoE blocks' loads come after the layers'."""
+    cfg = _moe_pipelined(mesh, schedule, microbatches, **{
+        "pipeline.repeats": repeats, "model.expert_parallel": expert_parallel,
+        "model.num_layers": 4 + dense, "model.first_k_dense_replace": dense,
+        "model.num_mtp_layers": mtp, "model.mtp_loss_weight": 0.5})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
     assert isinstance(state.apply_fn, pipeline.Pipelined)
-    assert trainer.state_shardings.params["moe_layers"]["moe"]["up"].spec[0] == "pipeline"
+    specs = trainer.state_shardings.params
+    assert specs["moe_layers"]["moe"]["up"].spec[0] == "pipeline"
+    if dense:  # every stage holds the dense blocks whole (they run on stage 0)
+        assert state.params["layers"]["mlp"]["up"].shape[0] == dense
+        assert "pipeline" not in jax.tree.leaves(specs["layers"]["mlp"]["up"].spec)
     host_batch = random_batch(np.random.default_rng(4), 8, 16, vocab=128)
     with sharding.activate(trainer.mesh, trainer.rules):
         (_, (loss, aux)), grads = _objective_and_aux(state.apply_fn, state.params,
@@ -281,12 +306,15 @@ def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches
     params = jax.device_get(state.params)
     (_, (ref_loss, ref_aux)), ref_grads = _objective_and_aux(state.apply_fn.model.apply, params,
                                                              host_batch)
-    assert sorted(aux) == sorted(ref_aux) == ["aux_loss", "moe_load"]
+    assert sorted(aux) == sorted(ref_aux) == ["aux_loss", "moe_load"] + ["mtp_loss"] * bool(mtp)
     # float32: only the summation order differs (per microbatch, then across them).
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(float(aux["aux_loss"]), float(ref_aux["aux_loss"]), rtol=1e-5)
+    if mtp:
+        np.testing.assert_allclose(np.asarray(aux["mtp_loss"]), np.asarray(ref_aux["mtp_loss"]),
+                                   rtol=1e-5)
     load = np.asarray(aux["moe_load"])
-    assert load.shape == (4, 8) and np.all(load.sum(axis=1) == 8 * 16 * 2)  # rows x seq x top-k
+    assert load.shape == (4 + mtp, 8) and np.all(load.sum(axis=1) == 8 * 16 * 2)  # x top-k
     np.testing.assert_array_equal(load, np.asarray(ref_aux["moe_load"]))  # counts: exact
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0],
                             jax.tree.leaves(ref_grads)):
@@ -326,8 +354,9 @@ def test_moe_trains_through_1f1b_and_moves_the_router_bias_by_its_loads():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"model.num_mtp_layers": 1}, "model.num_mtp_layers"),
-    ({"model.first_k_dense_replace": 1}, "model.first_k_dense_replace"),
+    ({"model.first_k_dense_replace": 1, "model.num_layers": 5, "train.compute_dtype": "fp8",
+      "fp8.recipe": "delayed"}, "fp8.recipe"),
+    ({"model.first_k_dense_replace": 1}, "model.num_layers"),  # 3 MoE layers over 2 stages
     ({"model.expert_parallel": False}, "model.expert_parallel"),  # data 2 x tensor 2
 ])
 def test_moe_pipeline_limits_name_the_field(overrides, field):

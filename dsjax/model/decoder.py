@@ -20,6 +20,9 @@ from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
+# The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
+# leading dense blocks and the MTP modules (every stage holds them whole; dsjax/pipeline.py).
+EXTRA_LAYERS = "extra_layers"
 AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
 ATTN_MATMULS = ("q", "k", "v", "o")
 MLP_MATMULS = ("gate", "up", "down")
@@ -111,8 +114,9 @@ class Transformer(nn.Module):
             [("moe_layers", k, L, True)] if k < L else [])
 
     def _init_stack(self, rng: jax.Array, collection: str, moe: bool = False,
-                    count: int | None = None) -> Any:
-        """Per-layer block variables of `collection` stacked on a new leading "layers" axis."""
+                    count: int | None = None, axis: str = "layers") -> Any:
+        """Per-layer block variables of `collection` stacked on a new leading logical `axis`
+        ("layers": the stack a pipeline splits into stages; `EXTRA_LAYERS`: one it does not)."""
         cfg = self.cfg
         x = jnp.zeros((1, 1, cfg.hidden_size), self.dtype)
         pos, seg = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
@@ -121,7 +125,7 @@ class Transformer(nn.Module):
         stacked = jax.vmap(lambda k: block.init(k, x, pos, seg)[collection])(keys)
         boxed = lambda b: isinstance(b, nn.LogicallyPartitioned)
         # fp8 meta leaves are not boxed: they stay replicated (small, and every device needs them).
-        return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)) if boxed(b)
+        return jax.tree.map(lambda b: b.replace(names=(axis,) + tuple(b.names)) if boxed(b)
                             else b, stacked, is_leaf=boxed)
 
     def _layer_fn(self, policy: str, use_fp8: bool, positions_BS, segment_ids_BS,
@@ -179,7 +183,9 @@ class Transformer(nn.Module):
 
         moe_stats = []  # per segment of MoE layers: {"load": [l, E], "balance": [l]}
         for name, lo, hi, moe in self._stacks():
-            stack = {"params": self.param(name, self._init_stack, "params", moe, hi - lo)}
+            # A MoE model pipelines its MoE stack; the dense blocks before it stay whole.
+            axis = EXTRA_LAYERS if cfg.is_moe and not moe else "layers"
+            stack = {"params": self.param(name, self._init_stack, "params", moe, hi - lo, axis)}
             if self.fp8_matmuls and self.fp8_recipe == "delayed":
                 stack[fp8.META_COLLECTION] = self.variable(
                     fp8.META_COLLECTION, name,
@@ -213,20 +219,32 @@ class Transformer(nn.Module):
 
     def _mtp(self, h_BSD, embedding_VD, head_DV, tokens_BS, positions_BS, segment_ids_BS,
              targets_BS, weights_BS):
-        """Multi-token prediction (DeepSeek-V3 §2.2): module k maps [enorm(emb(t_{i+k}));
-        hnorm(h^{k-1}_i)] through eh_proj and one decoder block to h^k_i, whose norm and the shared
-        head predict t_{i+k+1}. h^0 is the main model's last hidden state (before final_norm).
-        Params exist always; the modules run only with targets (training): (mean loss per
-        module [n] or None, MoE stats of the modules' blocks)."""
+        """Multi-token prediction (DeepSeek-V3 §2.2), see `mtp_sums`. Params exist always; the
+        modules run only with targets (training): (mean loss per module [n] or None, MoE stats
+        of the modules' blocks)."""
         cfg, n, D = self.cfg, self.cfg.num_mtp_layers, self.cfg.hidden_size
-        norms = {k: self.param(f"mtp_{k}", nn.with_logical_partitioning(
-            nn.initializers.ones, ("layers", "norm")), (n, D), jnp.float32)
-                 for k in ("enorm", "hnorm", "norm")}
-        eh_proj = _param(self, "mtp_eh_proj", (n, 2 * D, D), ("layers", None, "embed"),
-                         cfg.init_std)
-        blocks = self.param("mtp_layers", self._init_stack, "params", cfg.is_moe, n)
+        params = {f"mtp_{k}": self.param(f"mtp_{k}", nn.with_logical_partitioning(
+            nn.initializers.ones, (EXTRA_LAYERS, "norm")), (n, D), jnp.float32)
+                  for k in ("enorm", "hnorm", "norm")}
+        params["mtp_eh_proj"] = _param(self, "mtp_eh_proj", (n, 2 * D, D),
+                                       (EXTRA_LAYERS, None, "embed"), cfg.init_std)
+        params["mtp_layers"] = self.param("mtp_layers", self._init_stack, "params", cfg.is_moe, n,
+                                          EXTRA_LAYERS)
         if targets_BS is None or weights_BS is None:
             return None, []
+        sums, counts, stats = self.mtp_sums(params, h_BSD, embedding_VD, head_DV, tokens_BS,
+                                            positions_BS, segment_ids_BS, targets_BS, weights_BS)
+        return sums / jnp.maximum(counts, 1.0), stats
+
+    def mtp_sums(self, params, h_BSD, embedding_VD, head_DV, tokens_BS, positions_BS,
+                 segment_ids_BS, targets_BS, weights_BS):
+        """The MTP modules on h^0 = the main model's last hidden state [B, S, D] (before
+        final_norm): module k maps [enorm(emb(t_{i+k})); hnorm(h^{k-1}_i)] through eh_proj and
+        one decoder block to h^k_i, whose norm and the shared head predict t_{i+k+1}. `params`:
+        the "mtp_*" entries of the model's params. Returns (summed weighted NLL per module [n],
+        its weight sum [n], MoE stats of the modules' blocks). Needs no bound module: a pipeline
+        runs it on its last stage's outputs (dsjax/pipeline.py)."""
+        cfg, n = self.cfg, self.cfg.num_mtp_layers
         block = self._layer_fn("none", False, positions_BS, segment_ids_BS, cfg.is_moe)
 
         def rms(x, scale):
@@ -234,25 +252,24 @@ class Transformer(nn.Module):
             y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
             return (scale * y).astype(x.dtype)
 
-        def ahead(a_BS, k):  # a[:, i + k], zero past the row
-            return jnp.pad(a_BS[:, k:], ((0, 0), (0, k)))
-
-        losses, stats, valid_BS = [], [], weights_BS
+        sums, stats = [], []
+        valid_NBS = mtp_weights(weights_BS, n)
         for k in range(1, n + 1):
-            e_BSD = embed_tokens(embedding_VD, ahead(tokens_BS, k), self.dtype)
-            cat_BSE = jnp.concatenate([rms(e_BSD, norms["enorm"][k - 1]),
-                                       rms(h_BSD, norms["hnorm"][k - 1])], axis=-1)
-            h_BSD = jnp.einsum("BSE,ED->BSD", cat_BSE, eh_proj[k - 1].astype(self.dtype))
-            h_BSD, s = block(h_BSD, {"params": jax.tree.map(lambda a, k=k: a[k - 1], blocks)})
+            e_BSD = embed_tokens(embedding_VD, _ahead(tokens_BS, k), self.dtype)
+            cat_BSE = jnp.concatenate([rms(e_BSD, params["mtp_enorm"][k - 1]),
+                                       rms(h_BSD, params["mtp_hnorm"][k - 1])], axis=-1)
+            h_BSD = jnp.einsum("BSE,ED->BSD", cat_BSE,
+                               params["mtp_eh_proj"][k - 1].astype(self.dtype))
+            h_BSD, s = block(h_BSD, {"params": jax.tree.map(lambda a, k=k: a[k - 1],
+                                                            params["mtp_layers"])})
             if s is not None:
                 stats.append(jax.tree.map(lambda a: a[None], s))
-            logits_BSV = output_logits(rms(h_BSD, norms["norm"][k - 1]), head_DV, self.dtype)
-            # Target t_{i+k+1} = targets[i + k]; valid while positions i..i+k each predict
-            # within one document (their weights are all 1).
-            valid_BS = valid_BS * ahead(weights_BS, k)
-            nll, count = weighted_cross_entropy(logits_BSV, ahead(targets_BS, k), valid_BS)
-            losses.append(nll / jnp.maximum(count, 1.0))
-        return jnp.stack(losses), stats
+            logits_BSV = output_logits(rms(h_BSD, params["mtp_norm"][k - 1]), head_DV,
+                                       self.dtype)
+            # Target t_{i+k+1} = targets[i + k].
+            sums.append(weighted_cross_entropy(logits_BSV, _ahead(targets_BS, k),
+                                               valid_NBS[k - 1])[0])
+        return jnp.stack(sums), jnp.sum(valid_NBS, axis=(1, 2)), stats
 
     def run_layers(self, x_BSD: jax.Array, stack: Any, positions_BS: jax.Array,
                    segment_ids_BS: jax.Array, lo: int = 0, hi: int | None = None,
@@ -284,6 +301,21 @@ class Transformer(nn.Module):
                 moe_stats.append(jax.tree.map(
                     lambda *m: jnp.stack(m, axis=1).reshape(-1, *m[0].shape[1:]), *stats))
         return x_BSD, moe_stats
+
+
+def _ahead(a_BS: jax.Array, k: int) -> jax.Array:
+    """a[:, i + k], zero past the row."""
+    return jnp.pad(a_BS[:, k:], ((0, 0), (0, k)))
+
+
+def mtp_weights(weights_BS: jax.Array, n: int) -> jax.Array:
+    """[n, B, S]: MTP module k's loss weights. Position i predicts t_{i+k+1}; it counts while
+    positions i..i+k each predict within one document (their weights are all 1)."""
+    out, valid_BS = [], weights_BS
+    for k in range(1, n + 1):
+        valid_BS = valid_BS * _ahead(weights_BS, k)
+        out.append(valid_BS)
+    return jnp.stack(out) if out else jnp.zeros((0, *weights_BS.shape), weights_BS.dtype)
 
 
 def embed_tokens(embedding_VD: jax.Array, tokens_BS: jax.Array, dtype: Any) -> jax.Array:
