@@ -92,6 +92,11 @@ def main(argv=None) -> dict:
               "exact_collectives_per_step": len(steps["warmup"]),
               "mesh": sharding.describe(trainer.mesh), "gradient_floats_per_device": grad_floats,
               "float32_allreduce_bytes": round(f32_allreduce)}
+    k = cfg.optim.refresh_every
+    # With optim.refresh_every = K one step in K after the freeze is an exact (warmup) step.
+    result["refresh_every"] = k
+    result["mean_ratio_after_freeze"] = (
+        result["ratio"] if not k else (1 + (k - 1) * result["ratio"]) / k)
 
     print(f"{result['config']}: mesh {result['mesh']}, {grad_floats:,} gradient floats per "
           f"device, float32 all-reduce of them {f32_allreduce:,.0f} B sent per device (ring)")
@@ -103,6 +108,9 @@ def main(argv=None) -> dict:
                           for op in sorted({c.op for c in ops}))
         ratio = "1/%.1f" % (sent["warmup"] / sent[name])
         print(f"{name:<12} {len(ops):>11} {sent[name]:>18,.0f} {ratio:>10}  {kinds}")
+    if k:
+        print(f"refresh_every={k}: one exact step in {k} after the freeze, so the mean traffic "
+              f"after it is 1/{1 / result['mean_ratio_after_freeze']:.1f} of the warmup step's")
     report.write_json(args.out, result)
     return result
 

@@ -145,6 +145,7 @@ class OptimConfig:
     bias_correction: bool = False  # Adam's bias correction (DeepSpeed: off)
     error_feedback: bool = True  # carry each step's compression error into the next
     compress: str = "update"  # what the 1-bit all-reduce carries: update (m / sqrt(v)) | momentum
+    refresh_every: int = 0  # after the freeze every N-th step is exact and updates v (0: never)
     hierarchical: bool = False  # exact mean inside a host, 1-bit across hosts (mesh.dcn_data)
 
 
@@ -452,9 +453,13 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"chunks; got repeats={p.repeats} with schedule {p.schedule!r}")
     if S == 1:
         return
-    L, R = cfg.model.num_layers, p.repeats
+    m = cfg.model
+    # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline.py).
+    k = m.first_k_dense_replace if m.is_moe else 0
+    L, R = m.num_layers - k, p.repeats
     if L % (S * R):
-        raise ConfigError(f"model.num_layers: {L} layers do not split into mesh.pipeline x "
+        what = f"{L} MoE layers (after {k} dense)" if k else f"{L} layers"
+        raise ConfigError(f"model.num_layers: {what} do not split into mesh.pipeline x "
                           f"pipeline.repeats = {S} x {R} equal chunks")
     if p.microbatches % S:
         raise ConfigError(f"pipeline.microbatches: {p.microbatches} is not a multiple of "
@@ -469,7 +474,7 @@ def _validate_pipeline(cfg: Config) -> None:
     # Every stage runs one program, so every chunk of layers must make the same choices.
     chunk = L // (S * R)
     if cfg.remat.policy != "auto":
-        per_layer = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, L)
+        per_layer = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, L + k)[k:]
         if per_layer != per_layer[:chunk] * (S * R):
             raise ConfigError(f"remat.layers: the per-layer pattern {cfg.remat.layers!r} differs "
                               f"between pipeline chunks of {chunk} layers; use a period that "
@@ -492,16 +497,10 @@ def _validate_pipeline(cfg: Config) -> None:
         raise ConfigError("train.compute_dtype: float16 loss scaling does not reach inside the "
                           "1f1b schedule's own backward; use bfloat16, or pipeline.schedule "
                           "gpipe/circular")
-    m = cfg.model
-    if m.num_mtp_layers:
-        raise ConfigError(f"model.num_mtp_layers: MTP modules do not run under mesh.pipeline > 1 "
-                          f"yet (they need the last stage's hidden states); got "
-                          f"{m.num_mtp_layers}, use 0 or mesh.pipeline = 1")
-    if m.is_moe and m.first_k_dense_replace:
-        # Every stage runs one program on one stacked layer layout (dsjax/pipeline.py).
-        raise ConfigError(f"model.first_k_dense_replace: with mesh.pipeline > 1 every layer must "
-                          f"be a MoE block (one stack split into stages); got "
-                          f"{m.first_k_dense_replace}, use 0 or mesh.pipeline = 1")
+    if k and cfg.train.compute_dtype == "fp8" and cfg.fp8.recipe == "delayed":
+        raise ConfigError(f"fp8.recipe: 'delayed' keeps no amax state for the dense prefix blocks "
+                          f"that run before the pipeline stages (model.first_k_dense_replace = "
+                          f"{k}); use 'current' or 'rowwise', or mesh.pipeline = 1")
     if m.is_moe and not m.expert_parallel and cfg.mesh.data > 1 and cfg.mesh.tensor > 1:
         raise ConfigError("model.expert_parallel: the dense fallback (experts sharded over "
                           "`data` under GSPMD) fails XLA's SPMD partitioner inside the "
@@ -589,6 +588,14 @@ def validate(cfg: Config) -> None:
     if f.other_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"fp8.other_dtype: must be float32, bfloat16 or float16, got "
                           f"{f.other_dtype!r}")
+    expert_fp8 = [n for n in f.matmul_names if n in ("gate", "up", "down")]
+    if (m.is_moe and t.compute_dtype == "fp8" and f.recipe == "delayed" and expert_fp8
+            and m.first_k_dense_replace < m.num_layers):
+        # Delayed scaling keeps one amax history per matmul; experts scale per expert.
+        raise ConfigError(f"fp8.recipe: 'delayed' does not cover MoE experts (fp8.matmuls has "
+                          f"{','.join(expert_fp8)}, which would run in fp8.other_dtype in the "
+                          f"MoE blocks); use 'current' or 'rowwise', or drop gate,up,down from "
+                          f"fp8.matmuls")
 
     o = cfg.optim
     if o.name not in OPTIMIZERS:
@@ -607,6 +614,9 @@ def validate(cfg: Config) -> None:
     if o.compress not in ONEBIT_COMPRESS:
         raise ConfigError(f"optim.compress: unknown {o.compress!r}; valid: "
                           f"{', '.join(ONEBIT_COMPRESS)}")
+    if o.refresh_every < 0 or o.refresh_every == 1:
+        raise ConfigError(f"optim.refresh_every: 0 (v stays frozen) or >= 2 (every N-th step after "
+                          f"the freeze is exact Adam), got {o.refresh_every}")
     if o.hierarchical and o.name != "onebit_adam":
         raise ConfigError(f"optim.hierarchical: only optim.name='onebit_adam' has a hierarchical "
                           f"reduction; got optim.name={o.name!r}")

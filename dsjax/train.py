@@ -218,7 +218,7 @@ def _clip(grads: Any, norm: jax.Array, clip_norm: float) -> Any:
 
 def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: bool,
                 param_specs: Any, clip_norm: float, typed: bool = True,
-                opt_mesh: Mesh | None = None, lr_scale: float = 1.0
+                opt_mesh: Mesh | None = None, lr_scale: float = 1.0, with_aux: bool = False
                 ) -> tuple[TrainState, dict]:
     """One 1-bit Adam step (Tang et al. 2021; DeepSpeed's OnebitAdam), warmup or `compressed`.
 
@@ -236,7 +236,9 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
       clipping scales every worker's gradient by the same min(1, clip_norm / grad_norm): the
       mean is clipped at least as hard as `train_step` would clip it.
     `batch` and `lr_scale` as in `train_step`; each worker sums its micro-batches' gradients
-    before any communication, so accumulation costs no extra all-reduce.
+    before any communication, so accumulation costs no extra all-reduce. `with_aux`: the model
+    has auxiliary losses (MTP): each worker adds its rows' aux_loss, weighted by its share of
+    the tokens like its NLL, and the metrics report them averaged the same way.
     """
     opt: OneBitAdam = state.tx
     # The model's activation constraints name `data` (act_batch); inside a shard_map that is
@@ -253,14 +255,21 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
         share = lax.axis_size(DATA) / jnp.maximum(count, 1.0)
 
         def objective(params, fp8_meta, micro):
+            aux = {}
             with nn.logical_axis_rules(local_rules):
-                if isinstance(state.apply_fn, pipeline.Pipelined):
+                if with_aux:  # (pipelined or not) MTP: token-weighted like the NLL
+                    mean, local, aux = loss_and_aux(params, state.apply_fn, micro, fp8_meta)
+                    local = jnp.maximum(local, 1.0)
+                    total = mean * local
+                    aux = {k: aux[k] * local for k in ("aux_loss", "mtp_loss")}
+                elif isinstance(state.apply_fn, pipeline.Pipelined):
                     # The pipeline's shard_map (manual over `pipeline`) nests inside this one.
                     mean, local = state.apply_fn.loss(params, micro, fp8_meta)
                     total = mean * jnp.maximum(local, 1.0)
                 else:
                     total, _ = nll_sum(params, state.apply_fn, micro, fp8_meta)
-            return ls.scale_loss(loss_scale, total * share), total
+            return (ls.scale_loss(loss_scale, (total + aux.get("aux_loss", 0.0)) * share),
+                    (total, aux))
 
         if typed:
             # Varying over `data`: jax.grad then returns this worker's gradient instead of
@@ -268,25 +277,26 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
             params, fp8_meta = lax.pcast((params, fp8_meta), DATA, to="varying")
 
         def micro_grads(micro):
-            (_, total), (grads, meta_grads) = jax.value_and_grad(
+            (_, sums), (grads, meta_grads) = jax.value_and_grad(
                 objective, argnums=(0, 1), has_aux=True)(params, fp8_meta, micro)
-            return total, grads, meta_grads
+            return sums, grads, meta_grads
 
         vary = (lambda t: lax.pcast(t, DATA, to="varying")) if typed else (lambda t: t)
-        total, grads, meta_grads = batching.accumulate(micro_grads, batch, vary)
+        (total, aux), grads, meta_grads = batching.accumulate(micro_grads, batch, vary)
         grads = ls.unscale_grads(loss_scale, grads)
-        loss = lax.psum(total, DATA) / jnp.maximum(count, 1.0)
+        loss, aux = jax.tree.map(lambda x: lax.psum(x, DATA) / jnp.maximum(count, 1.0),
+                                 (total, aux))
         # fp8 amax observations of this worker's activations: the global amax is their max.
         meta_grads = jax.tree.map(lambda g: lax.pmax(g, DATA), meta_grads)
-        return jax.tree.map(lambda g: g[None], grads), loss, count, meta_grads
+        return jax.tree.map(lambda g: g[None], grads), loss, count, meta_grads, aux
 
     # fp8's custom VJP returns per-worker amax observations as cotangents of its scaling inputs,
     # typed varying for an invariant input (current scaling's constants) or invariant for a
     # varying one (delayed: the scale), which a typed (check_vma) shard_map rejects. Untyped,
     # jax.grad inserts no all-reduce either: the gradients are the worker's own all the same.
-    grads, loss, tokens, meta_grads = jax.shard_map(
+    grads, loss, tokens, meta_grads, aux = jax.shard_map(
         local_grads, in_specs=(P(), P(), P(), P(DATA) if batch["inputs"].ndim == 2 else
-                               P(None, DATA)), out_specs=(P(DATA), P(), P(), P()),
+                               P(None, DATA)), out_specs=(P(DATA), P(), P(), P(), P()),
         axis_names={DATA}, check_vma=typed)(state.params, state.fp8_meta, state.loss_scale,
                                              batch)
 
@@ -317,6 +327,7 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
             out_specs=(param_specs, opt_specs, P()))(grads, state.opt_state, state.params)
     new_state, metrics = _finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
                                       meta_grads, finite_by_group(grads))  # every worker's
+    metrics.update(moe.load_metrics(aux))
     metrics["onebit_compressed"] = jnp.asarray(int(compressed), jnp.int32)
     metrics["lr"] = metrics["lr"] * lr_scale
     return new_state, metrics
@@ -353,7 +364,9 @@ class Trainer:
 
         A skipped (non-finite) step does not count, so the host's count of dispatched steps is
         only an upper bound; it reads `state.step` from the device (waiting for the step that
-        produced it) only when the bounds straddle freeze_step, normally once per run.
+        produced it) only when the bounds straddle a phase change: freeze_step, normally once
+        per run, and with optim.refresh_every = K twice per K steps (into and out of each
+        exact refresh step).
         """
         if self.compressed_step_fn is None:
             return self.step_fn, 0, 0
@@ -461,7 +474,8 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
         init_fn = jax.jit(init_onebit, out_shardings=state_shardings)
         phase = functools.partial(onebit_step, param_specs=param_specs,
                                   clip_norm=cfg.optim.clip_norm,
-                                  typed=typed, opt_mesh=opt_mesh)
+                                  typed=typed, opt_mesh=opt_mesh,
+                                  with_aux=cfg.model.num_mtp_layers > 0)
         phases = [functools.partial(phase, compressed=c) for c in (False, True)]
     batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
     step_fn, *compressed = [

@@ -228,19 +228,24 @@ def test_warmup_equals_optax_adam_exactly(mesh, weight_decay):
     assert moved > 1e-3  # the comparison is not between two unchanged copies
 
 
-@pytest.mark.parametrize("compress", ["momentum", "update"])
-def test_deepspeed_steps_match_numpy(mesh, compress):
+@pytest.mark.parametrize("compress, refresh", [("momentum", 0), ("update", 0), ("update", 2)])
+def test_deepspeed_steps_match_numpy(mesh, compress, refresh):
     """Warmup then compressed steps, bias_correction=False and one bucket per tensor: DeepSpeed's
     OnebitAdam.step transcribed in NumPy, with the reference all-reduce above. "update" sends
-    m_i / (sqrt(v) + eps) through the same all-reduce and multiplies the mean back."""
+    m_i / (sqrt(v) + eps) through the same all-reduce and multiplies the mean back. `refresh`
+    (refresh_every): every 2nd step after the freeze is an exact Adam step that updates v, with
+    the error buffers carried across it."""
     rng = np.random.default_rng(4)
     params = _params(rng)
-    warm, comp = 3, 3
+    warm, comp = 3, 3 if not refresh else 5
     lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.01
     grads = jax.tree.map(lambda p: rng.normal(size=(warm + comp, W) + p.shape
                                               ).astype(np.float32), params)
     opt = onebit_adam(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, freeze_step=warm,
-                      bucket_bytes=0, compress=compress)
+                      bucket_bytes=0, compress=compress, refresh_every=refresh)
+    phases = [opt.uses_compression(t) for t in range(warm + comp)]
+    assert phases == [False] * warm + ([True] * comp if not refresh else
+                                       [True, False, True, False, True])
     warm_step = _step_fn(mesh, opt, False, params)
     comp_step = _step_fn(mesh, opt, True, params)
     state = _init_fn(mesh, opt, params)(params)
@@ -258,7 +263,7 @@ def test_deepspeed_steps_match_numpy(mesh, compress):
     p_ours = params
     for t in range(warm + comp):
         compressed = opt.uses_compression(int(state.count))
-        assert compressed == (t >= warm)
+        assert compressed == phases[t]
         g_t = jax.tree.map(lambda g: g[t], grads)
         p_ours, state = (comp_step if compressed else warm_step)(g_t, state, p_ours)
         for i, g in enumerate(g_leaves):
@@ -285,7 +290,8 @@ def test_deepspeed_steps_match_numpy(mesh, compress):
     for got, want in zip(jax.tree.leaves(state.worker_error), we_np):
         # "update": the errors are of m / sqrt(v), O(10) here; the same ulps relative to them.
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, np.abs(want).max()))
-    # v stayed frozen through the compressed steps. Its float32 error: the mean of 8 O(1)
+    # v stayed frozen through the compressed steps (and moved in the refresh steps, as in the
+    # reference). Its float32 error: the mean of 8 O(1)
     # gradients is off by ~1e-7 absolute, moving v by <= 2 (1 - b2) |g| 1e-7 ~ 1e-9 per step;
     # an unfrozen v would move by (1 - b2) g^2 ~ 1e-2.
     for got, want in zip(jax.tree.leaves(state.nu), v_np):
@@ -657,6 +663,34 @@ def test_trainer_warmup_is_adamw_then_compressed_sends_a_thirtieth():
     print(f"data-parallel bytes per device: warmup {sent['warmup']:.0f}, compressed "
           f"{sent['compressed']:.0f} (1/{sent['warmup'] / sent['compressed']:.1f})")
     assert sent["compressed"] <= allreduce / 30
+
+
+def test_mtp_loss_is_trained_and_logged_in_both_phases():
+    """An MTP model (DeepSeek-V3 §2.2) under 1-bit Adam: each worker adds its rows' weighted MTP
+    loss to its objective, so the warmup steps equal AdamW's `train_step` (whose objective has
+    it) and the metrics carry `mtp_loss` in both phases. Without the MTP term the MTP modules'
+    params would not move at all and the comparison would fail."""
+    common = {"optim.freeze_step": 2, "optim.bias_correction": True,
+              "model.num_mtp_layers": 1, "model.mtp_loss_weight": 0.5}
+    trainer = build_trainer(_tiny_cfg(**common))
+    adamw = build_trainer(_tiny_cfg(**common, **{"optim.name": "adamw"}))
+    # One document per row: every worker holds as many MTP targets as the others, so the
+    # token-weighted mean of the workers' MTP losses is the batch's.
+    batch = random_batch(np.random.default_rng(12), 8, 32, docs_per_row=1)
+    state, ref = trainer.init(), adamw.init()
+    first = jax.device_get(state.params)
+    for _ in range(2):
+        state, m = trainer.step(state, trainer.device_batch(batch))
+        ref, m_ref = adamw.step(ref, adamw.device_batch(batch))
+        np.testing.assert_allclose(np.asarray(m["mtp_loss"]), np.asarray(m_ref["mtp_loss"]),
+                                   rtol=1e-5)
+        assert float(m["aux_loss"]) == pytest.approx(float(m_ref["aux_loss"]), rel=1e-5)
+    ours, theirs = jax.device_get(state.params), jax.device_get(ref.params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), ours, theirs)
+    moved = np.abs(ours["mtp_eh_proj"] - first["mtp_eh_proj"]).max()
+    assert moved > 1e-3  # lr 3e-3 Adam steps on the MTP projection
+    state, m = trainer.step(state, trainer.device_batch(batch))
+    assert int(m["onebit_compressed"]) == 1 and np.all(np.isfinite(np.asarray(m["mtp_loss"])))
 
 
 # The h100_fp8.py:smoke model (run_launch starts from the tiny one), freezing after 2 of 6 steps

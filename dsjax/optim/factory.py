@@ -49,7 +49,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int
                            freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
                            bucket_bytes=int(cfg.bucket_mb * 2**20), axis_name=axes[0],
                            fast_axis=axes[1], error_feedback=cfg.error_feedback,
-                           compress=cfg.compress), schedule
+                           compress=cfg.compress,
+                           refresh_every=cfg.refresh_every), schedule
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))

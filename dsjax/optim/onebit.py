@@ -283,6 +283,7 @@ class OneBitAdam:
     fast_axis: Any
     error_feedback: bool = True
     compress: str = "momentum"  # what the 1-bit all-reduce carries: "momentum" | "update"
+    refresh_every: int = 0  # after the freeze, every N-th step is exact and updates v (0: never)
 
     @property
     def data_axes(self) -> tuple:
@@ -290,8 +291,22 @@ class OneBitAdam:
         return (self.axis_name,) if self.fast_axis is None else (self.axis_name, self.fast_axis)
 
     def uses_compression(self, step: int) -> bool:
-        """Host side: does the step after `step` completed steps use `compressed_update`?"""
-        return int(step) >= self.freeze_step
+        """Host side: does the step after `step` completed steps use `compressed_update`?
+
+        With `refresh_every=N` the N-th, 2N-th, ... step after the freeze is an exact one
+        (`warmup_update`), which folds the exact mean gradient into `v` (and `m`).
+        """
+        step = int(step)
+        if step < self.freeze_step:
+            return False
+        return not self.refresh_every or (step - self.freeze_step + 1) % self.refresh_every != 0
+
+    def nu_updates(self, count: jax.Array) -> jax.Array:
+        """How many steps have folded a gradient into `v` after `count` steps (bias correction)."""
+        if not self.refresh_every:
+            return jnp.minimum(count, self.freeze_step)
+        after = jnp.maximum(count - self.freeze_step, 0)
+        return jnp.minimum(count, self.freeze_step) + after // self.refresh_every
 
     def plan(self, params: Any) -> BucketPlan:
         """The bucket plan for this device's `params`; call inside the shard_map.
@@ -384,7 +399,8 @@ class OneBitAdam:
         mu = jax.tree.map(lambda g, m: (1 - self.b1) * g + self.b1 * m, grads, state.mu)
         nu = jax.tree.map(lambda g, v: (1 - self.b2) * (g ** 2) + self.b2 * v, grads, state.nu)
         count_inc = state.count + 1
-        updates = self._updates(mu, nu, params, count_inc, count_inc, self._lr(state.count))
+        updates = self._updates(mu, nu, params, count_inc, self.nu_updates(count_inc),
+                                self._lr(state.count))
         return updates, state._replace(count=count_inc, mu=mu, nu=nu)
 
     def warmup_update(self, local_grads: Any, state: OneBitAdamState, params: Any
@@ -424,8 +440,8 @@ class OneBitAdam:
         count_inc = state.count + 1
         # v == 0: never had a gradient, true momentum 0 (module docstring); weight decay stays.
         seen = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
-        updates = self._updates(seen, state.nu, params, count_inc,
-                                jnp.asarray(self.freeze_step, jnp.int32), self._lr(state.count))
+        updates = self._updates(seen, state.nu, params, count_inc, self.nu_updates(count_inc),
+                                self._lr(state.count))
         return updates, state._replace(count=count_inc, mu=mu,
                                        worker_error=plan.by_group(worker_errors),
                                        server_error=plan.by_group(server_errors))
@@ -451,7 +467,7 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                 bias_correction: bool = False, bucket_bytes: int = 32 * 2**20,
                 axis_name: Any = "data", fast_axis: Any = None,
                 weight_decay_mask: Any = None, error_feedback: bool = True,
-                compress: str = "momentum") -> OneBitAdam:
+                compress: str = "momentum", refresh_every: int = 0) -> OneBitAdam:
     """1-bit Adam with DeepSpeed's defaults (freeze_step=100000, no bias correction).
 
     `learning_rate` is a float or a schedule of the number of steps taken; `weight_decay` is
@@ -460,7 +476,9 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     `fast_axis`: the intra-node mesh axis for the hierarchical reduction (exact inside a node,
     1-bit across nodes over `axis_name`). `error_feedback=False` zeroes the error buffers after
     every compressed step (an ablation). `compress`: "momentum" (DeepSpeed) or "update" (the
-    momentum over the frozen sqrt(v) + eps; see the module docstring).
+    momentum over the frozen sqrt(v) + eps; see the module docstring). `refresh_every=N`: after
+    the freeze every N-th step is exact Adam (exact mean gradient, v updated), as 0/1 Adam
+    (Lu et al. 2022) refreshes v; 0 keeps v frozen (DeepSpeed).
     """
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step must be >= 0, got {freeze_step}")
@@ -468,8 +486,11 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         raise ValueError(f"onebit_adam: bucket_bytes must be >= 0, got {bucket_bytes}")
     if compress not in ("momentum", "update"):
         raise ValueError(f"onebit_adam: compress must be 'momentum' or 'update', got {compress!r}")
+    if refresh_every < 0 or refresh_every == 1:
+        raise ValueError(f"onebit_adam: refresh_every must be 0 (off) or >= 2, got "
+                         f"{refresh_every}")
     if fast_axis is not None and fast_axis == axis_name:
         raise ValueError(f"onebit_adam: fast_axis must differ from axis_name ({axis_name!r})")
     return OneBitAdam(learning_rate, b1, b2, eps, weight_decay, weight_decay_mask, freeze_step,
                       bias_correction, bucket_bytes, axis_name, fast_axis, error_feedback,
-                      compress)
+                      compress, refresh_every)
