@@ -26,8 +26,13 @@ $(TEST_STAMP): pyproject.toml $(RUN_STAMP)
 train: $(RUN_STAMP)
 	$(PY) launch.py --workdir $(WORKDIR) $(ARGS)
 
+# A test whose worker process dies (XLA:CPU aborting a collective after its 40 s rendezvous
+# timeout, not an assertion) runs once more on a fresh worker and is reported as a rerun;
+# assertion failures are never rerun. The cause: XLA:CPU runs independent collectives
+# concurrently, so two devices can start them in different orders (see dsjax/pipeline.py
+# `_after`, which orders 1f1b's; gpipe's backward is ordered by jax.grad, not by us).
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -q tests
+	$(PY) -m pytest -n 2 --dist loadfile -q --reruns 1 --only-rerun "crashed while running" tests
 
 clean:
 	rm -rf runs .pytest_cache

@@ -315,6 +315,22 @@ def _head_nll(model: Transformer, top: Any, x_BSD: jax.Array, targets_BS: jax.Ar
     return weighted_cross_entropy(logits_BSV, targets_BS, weights_BS)[0]
 
 
+def _after(xs: Any, deps: Any) -> Any:
+    """`xs`, made to depend on every array of `deps` (x + 0 * one element of each).
+
+    XLA:CPU runs independent operations of a program concurrently on a small thread pool, and a
+    collective holds its thread until every device has arrived. Two collectives that are ready
+    at once (the forward's ppermute, say, and an all-reduce in the backward's layer scan) can
+    then start in different orders on two devices of one group and deadlock: a rare abort
+    after XLA's 40 s rendezvous timeout, every time for some programs. A data dependency
+    orders them. (`lax.optimization_barrier` would say it better, but XLA:CPU drops it before
+    scheduling.) A float times zero is not folded away; NaN in `deps` propagates into `xs`,
+    which only happens when the step is non-finite anyway.
+    """
+    probe = sum(jnp.ravel(d)[0].astype(jnp.float32) for d in jax.tree.leaves(deps))
+    return jax.tree.map(lambda x: x + (0.0 * probe).astype(x.dtype), xs)
+
+
 def _fold(a: jax.Array) -> jax.Array:
     """[n, b, ...] -> [n * b, ...]."""
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
@@ -601,6 +617,9 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
             if has_meta:  # amax observations combine by maximum, gradients add
                 new_stage[fp8.META_COLLECTION] = fp8.combine(d_stage[fp8.META_COLLECTION],
                                                              d_vars[fp8.META_COLLECTION])
+            # The transfers start after everything else in the tick (stage 0's embedding
+            # backward is its last collective); see `_after`.
+            y_BSD, dx_BSD = _after((y_BSD, dx_BSD), (dx_BSD, d_front))
             carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
                      lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
                      stash_KBSD, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
