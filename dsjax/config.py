@@ -146,6 +146,8 @@ class OptimConfig:
     error_feedback: bool = True  # carry each step's compression error into the next
     compress: str = "update"  # what the 1-bit all-reduce carries: update (m / sqrt(v)) | momentum
     refresh_every: int = 0  # after the freeze every N-th step is exact and updates v (0: never)
+    refresh_catchup: bool = True  # a refresh weighs g^2 as the N steps since the last (1 - b2^N)
+    update_bound: bool = True  # after the freeze clip |m / sqrt(v)| to exact Adam's bound
     hierarchical: bool = False  # exact mean inside a host, 1-bit across hosts (mesh.dcn_data)
 
 
@@ -625,6 +627,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"optim.freeze_step: 1-bit Adam needs 1 <= freeze_step < train.steps "
                               f"= {t.steps} (exact Adam steps before compression, e.g. 20% of "
                               f"them), got {o.freeze_step}")
+        if o.update_bound and not o.b1 < o.b2 ** 0.5:
+            raise ConfigError(f"optim.update_bound: needs b1 < sqrt(b2) (Adam's update has no "
+                              f"bound otherwise), got b1={o.b1}, b2={o.b2}; or set "
+                              f"optim.update_bound=False")
         if cfg.mesh.fsdp:
             raise ConfigError("mesh.fsdp: optim.name='onebit_adam' needs parameters and optimizer "
                               "state replicated over `data` (each worker compresses its own "

@@ -91,6 +91,7 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"optim.name": "onebit_adam", "optim.freeze_step": 600}, "optim.freeze_step"),  # = steps
     ({"optim.bucket_mb": -1.0}, "optim.bucket_mb"),
     ({"optim.refresh_every": 1}, "optim.refresh_every"),
+    ({"optim.name": "onebit_adam", "optim.b1": 0.99}, "optim.update_bound"),  # sqrt(.95) = .975
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

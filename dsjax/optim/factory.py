@@ -50,7 +50,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int
                            bucket_bytes=int(cfg.bucket_mb * 2**20), axis_name=axes[0],
                            fast_axis=axes[1], error_feedback=cfg.error_feedback,
                            compress=cfg.compress,
-                           refresh_every=cfg.refresh_every), schedule
+                           refresh_every=cfg.refresh_every,
+                           refresh_catchup=cfg.refresh_catchup,
+                           update_bound=cfg.update_bound), schedule
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))

@@ -58,6 +58,16 @@ DeepSpeed fidelity (deepspeed/runtime/fp16/onebit/adam.py, runtime/comm/nccl.py)
   by that much meanwhile. In update space every coordinate's exact value is O(1), so is the
   RMS, and no coordinate's error is larger than its Adam step. On cpu_tiny (mesh 2x2x2) the
   momentum run diverged after ~100 compressed steps (docs/onebit.md, Measured).
+- `refresh_every=N` (0/1 Adam's variance refresh, Lu et al. 2022; DeepSpeed's OnebitAdam never
+  updates v after the freeze) makes every N-th step after the freeze exact, folding that step's
+  mean gradient into v. With `refresh_catchup` the refresh gets the weight of the N steps it
+  stands for: v <- b2^N v + (1 - b2^N) g^2, so v follows the gradient scale as fast as Adam's.
+- `update_bound` clips every coordinate of m / (sqrt(v) + eps) after the freeze (and, in update
+  space, of what each worker sends) to `adam_bound()`, a bound exact Adam never reaches. A v
+  frozen or refreshed from one sample can be far too small for a coordinate whose gradient has
+  grown; unclipped, that coordinate's value swamps its bucket's scale and every coordinate of
+  the tensor takes a huge step. On cpu_tiny, catch-up refreshes without the bound diverged at
+  step ~420; with it 1-bit Adam ends 0.5% above AdamW (docs/onebit.md, Measured).
 """
 
 from __future__ import annotations
@@ -284,6 +294,8 @@ class OneBitAdam:
     error_feedback: bool = True
     compress: str = "momentum"  # what the 1-bit all-reduce carries: "momentum" | "update"
     refresh_every: int = 0  # after the freeze, every N-th step is exact and updates v (0: never)
+    refresh_catchup: bool = False  # a refresh weighs g^2 as the N steps since the last one
+    update_bound: bool = False  # after the freeze, |m / sqrt(v)| <= what exact Adam can reach
 
     @property
     def data_axes(self) -> tuple:
@@ -301,12 +313,28 @@ class OneBitAdam:
             return False
         return not self.refresh_every or (step - self.freeze_step + 1) % self.refresh_every != 0
 
+    def adam_bound(self) -> float:
+        """A bound on |m / sqrt(v)| that exact Adam never exceeds (no bias correction; b1 <
+        sqrt(b2)): only a stale `v` (frozen, or refreshed now and then) can.
+
+        |m_t| <= (1 - b1) sum_k b1^k |g_{t-k}| and v_t >= (1 - b2) b2^k g_{t-k}^2 for each k, so
+        |m_t| / sqrt(v_t) <= (1 - b1) / sqrt(1 - b2) * sum_k (b1 / sqrt(b2))^k: 5.84 for (0.9,
+        0.95), 31.8 for (0.9, 0.999). It is loose: Cauchy-Schwarz gives the least bound,
+        (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)) = 1.17 for (0.9, 0.95); cpu_tiny's
+        measurements (docs/onebit.md) are with this one, the tight one is untried.
+        """
+        b1, b2 = self.b1, self.b2
+        return (1 - b1) / (math.sqrt(1 - b2) * (1 - b1 / math.sqrt(b2)))
+
     def nu_updates(self, count: jax.Array) -> jax.Array:
         """How many steps have folded a gradient into `v` after `count` steps (bias correction)."""
         if not self.refresh_every:
             return jnp.minimum(count, self.freeze_step)
         after = jnp.maximum(count - self.freeze_step, 0)
-        return jnp.minimum(count, self.freeze_step) + after // self.refresh_every
+        # refresh_catchup: a refresh weighs like the refresh_every steps it stands for.
+        per_refresh = self.refresh_every if self.refresh_catchup else 1
+        return (jnp.minimum(count, self.freeze_step)
+                + per_refresh * (after // self.refresh_every))
 
     def plan(self, params: Any) -> BucketPlan:
         """The bucket plan for this device's `params`; call inside the shard_map.
@@ -379,6 +407,10 @@ class OneBitAdam:
             mu = jax.tree.map(lambda m: m / c1, mu)
             nu = jax.tree.map(lambda v: v / c2, nu)
         upd = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + self.eps), mu, nu)
+        if self.update_bound:  # after the freeze only: the warmup stays exactly Adam
+            bound = self.adam_bound()
+            upd = jax.tree.map(lambda u: jnp.where(count_inc > self.freeze_step,
+                                                   jnp.clip(u, -bound, bound), u), upd)
         if self.weight_decay:
             mask = self.weight_decay_mask
             mask = mask(params) if callable(mask) else mask
@@ -397,7 +429,15 @@ class OneBitAdam:
                      ) -> tuple[Any, OneBitAdamState]:
         """Exact Adam on already averaged `grads` (e.g. `mean_gradient`'s, then clipped)."""
         mu = jax.tree.map(lambda g, m: (1 - self.b1) * g + self.b1 * m, grads, state.mu)
-        nu = jax.tree.map(lambda g, v: (1 - self.b2) * (g ** 2) + self.b2 * v, grads, state.nu)
+        keep, fresh = self.b2, 1 - self.b2
+        if self.refresh_catchup and self.refresh_every:
+            # A refresh step stands for the refresh_every steps since the last one: v decays
+            # as Adam's would over them, and the fresh g^2 gets their combined weight. (Both
+            # weights in double precision: 1 - b2^N in float32 would lose digits.)
+            after = state.count >= self.freeze_step
+            keep = jnp.where(after, self.b2 ** self.refresh_every, keep)
+            fresh = jnp.where(after, 1 - self.b2 ** self.refresh_every, fresh)
+        nu = jax.tree.map(lambda g, v: fresh * (g ** 2) + keep * v, grads, state.nu)
         count_inc = state.count + 1
         updates = self._updates(mu, nu, params, count_inc, self.nu_updates(count_inc),
                                 self._lr(state.count))
@@ -424,6 +464,9 @@ class OneBitAdam:
             denom = jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, state.nu)
             local_mu = jax.tree.map(lambda m, v, d: jnp.where(v > 0, m / d, 0.0),
                                     local_mu, state.nu, denom)
+            if self.update_bound:  # a coordinate whose v is stale cannot swamp the scale
+                bound = self.adam_bound()
+                local_mu = jax.tree.map(lambda u: jnp.clip(u, -bound, bound), local_mu)
         means, worker_errors, server_errors = [], [], []
         # Dicts flatten in sorted-key order, which is the plan's bucket order.
         for buf, we, se in zip(plan.flatten(local_mu), jax.tree.leaves(state.worker_error),
@@ -467,7 +510,8 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                 bias_correction: bool = False, bucket_bytes: int = 32 * 2**20,
                 axis_name: Any = "data", fast_axis: Any = None,
                 weight_decay_mask: Any = None, error_feedback: bool = True,
-                compress: str = "momentum", refresh_every: int = 0) -> OneBitAdam:
+                compress: str = "momentum", refresh_every: int = 0,
+                refresh_catchup: bool = False, update_bound: bool = False) -> OneBitAdam:
     """1-bit Adam with DeepSpeed's defaults (freeze_step=100000, no bias correction).
 
     `learning_rate` is a float or a schedule of the number of steps taken; `weight_decay` is
@@ -478,7 +522,11 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     every compressed step (an ablation). `compress`: "momentum" (DeepSpeed) or "update" (the
     momentum over the frozen sqrt(v) + eps; see the module docstring). `refresh_every=N`: after
     the freeze every N-th step is exact Adam (exact mean gradient, v updated), as 0/1 Adam
-    (Lu et al. 2022) refreshes v; 0 keeps v frozen (DeepSpeed).
+    (Lu et al. 2022) refreshes v; 0 keeps v frozen (DeepSpeed). `refresh_catchup`: a refresh
+    folds g^2 into v with weight 1 - b2^N instead of 1 - b2 (v then follows the gradient scale
+    like Adam's). `update_bound`: after the freeze every coordinate of m / (sqrt(v) + eps) (and,
+    with compress="update", of what each worker sends) is clipped to `adam_bound()`, which exact
+    Adam never exceeds; off reproduces DeepSpeed.
     """
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step must be >= 0, got {freeze_step}")
@@ -489,8 +537,11 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     if refresh_every < 0 or refresh_every == 1:
         raise ValueError(f"onebit_adam: refresh_every must be 0 (off) or >= 2, got "
                          f"{refresh_every}")
+    if update_bound and not b1 < math.sqrt(b2):
+        raise ValueError(f"onebit_adam: update_bound needs b1 < sqrt(b2) (else Adam's update "
+                         f"has no bound), got b1={b1}, b2={b2}")
     if fast_axis is not None and fast_axis == axis_name:
         raise ValueError(f"onebit_adam: fast_axis must differ from axis_name ({axis_name!r})")
     return OneBitAdam(learning_rate, b1, b2, eps, weight_decay, weight_decay_mask, freeze_step,
                       bias_correction, bucket_bytes, axis_name, fast_axis, error_feedback,
-                      compress, refresh_every)
+                      compress, refresh_every, refresh_catchup, update_bound)
