@@ -315,20 +315,22 @@ def _head_nll(model: Transformer, top: Any, x_BSD: jax.Array, targets_BS: jax.Ar
     return weighted_cross_entropy(logits_BSV, targets_BS, weights_BS)[0]
 
 
-def _after(xs: Any, deps: Any) -> Any:
-    """`xs`, made to depend on every array of `deps` (x + 0 * one element of each).
+def _after(x: jax.Array, *deps: jax.Array) -> jax.Array:
+    """`x` + 0 * each of `deps`: the same values, computed only once `deps` are.
 
+    Each dep is an array of x's shape and sharding (elementwise: no communication) or a scalar.
     XLA:CPU runs independent operations of a program concurrently on a small thread pool, and a
     collective holds its thread until every device has arrived. Two collectives that are ready
     at once (the forward's ppermute, say, and an all-reduce in the backward's layer scan) can
-    then start in different orders on two devices of one group and deadlock: a rare abort
-    after XLA's 40 s rendezvous timeout, every time for some programs. A data dependency
-    orders them. (`lax.optimization_barrier` would say it better, but XLA:CPU drops it before
-    scheduling.) A float times zero is not folded away; NaN in `deps` propagates into `xs`,
-    which only happens when the step is non-finite anyway.
+    then start in different orders on two devices of one group and deadlock: an abort after
+    XLA's 40 s rendezvous timeout, rare for some programs and every time for others. A data
+    dependency orders them. (`lax.optimization_barrier` would say it better, but XLA:CPU drops
+    it before scheduling.) A float times zero is not folded away; a NaN in `deps` reaches `x`,
+    which happens only when the step is non-finite anyway.
     """
-    probe = sum(jnp.ravel(d)[0].astype(jnp.float32) for d in jax.tree.leaves(deps))
-    return jax.tree.map(lambda x: x + (0.0 * probe).astype(x.dtype), xs)
+    for d in deps:
+        x = x + (0.0 * d).astype(x.dtype)
+    return x
 
 
 def _fold(a: jax.Array) -> jax.Array:
@@ -618,8 +620,10 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
                 new_stage[fp8.META_COLLECTION] = fp8.combine(d_stage[fp8.META_COLLECTION],
                                                              d_vars[fp8.META_COLLECTION])
             # The transfers start after everything else in the tick (stage 0's embedding
-            # backward is its last collective); see `_after`.
-            y_BSD, dx_BSD = _after((y_BSD, dx_BSD), (dx_BSD, d_front))
+            # backward is its last collective; one output of its lax.cond stands for all of
+            # them); see `_after`.
+            front_done = jnp.ravel(jax.tree.leaves(d_front)[0])[0]
+            y_BSD, dx_BSD = _after(y_BSD, dx_BSD, front_done), _after(dx_BSD, front_done)
             carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
                      lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
                      stash_KBSD, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
