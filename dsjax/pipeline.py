@@ -619,11 +619,13 @@ def _one_f_one_b(pipe: Pipelined, params: Any, meta: Any, micro: dict[str, jax.A
             if has_meta:  # amax observations combine by maximum, gradients add
                 new_stage[fp8.META_COLLECTION] = fp8.combine(d_stage[fp8.META_COLLECTION],
                                                              d_vars[fp8.META_COLLECTION])
-            # The transfers start after everything else in the tick (stage 0's embedding
-            # backward is its last collective; one output of its lax.cond stands for all of
-            # them); see `_after`.
-            front_done = jnp.ravel(jax.tree.leaves(d_front)[0])[0]
-            y_BSD, dx_BSD = _after(y_BSD, dx_BSD, front_done), _after(dx_BSD, front_done)
+            if jax.default_backend() == "cpu":
+                # The transfers start after everything else in the tick (stage 0's embedding
+                # backward is its last collective; one output of its lax.cond stands for all
+                # of them); see `_after`. Not on GPUs: each device issues its collectives in
+                # the program's order there, and the tie would only delay the forward send.
+                front_done = jnp.ravel(jax.tree.leaves(d_front)[0])[0]
+                y_BSD, dx_BSD = _after(y_BSD, dx_BSD, front_done), _after(dx_BSD, front_done)
             carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
                      lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
                      stash_KBSD, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
