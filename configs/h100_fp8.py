@@ -5,9 +5,9 @@ head, norms and the attention core stay in bf16/fp32), selective recomputation `
 (benchmarks/results/remat_deepseek_7b.txt: 34% of `none`'s activation memory for +4.6% FLOPs),
 1-bit Adam with error compensation after 20% of the steps (benchmarks/results/comm_bytes_*.json:
 the compressed step sends ~1/32 of the warmup step's data-parallel bytes; every 10th step is
-exact and refreshes v, so 1/7.8 on average; docs/onebit.md), the adaptive batch
-size between 512 and 2048 rows with gradient accumulation (#8), and tensor x pipeline x data
-parallelism (2 x 2 x 2, 1f1b schedule, #7), the XLA overlap flag profile (#10).
+exact and refreshes v, so 1/7.8 on average: deepseek_7b's optim.refresh_every; docs/onebit.md),
+the adaptive batch size between 512 and 2048 rows with gradient accumulation (#8), and tensor x
+pipeline x data parallelism (2 x 2 x 2, 1f1b schedule, #7), the XLA overlap flag profile (#10).
 
 Run on 8 H100s:  python launch.py --config configs/h100_fp8.py --config.data.path=DIR
 On CPU (everything landed, on a tiny model):  python launch.py --config configs/h100_fp8.py:smoke
@@ -29,7 +29,6 @@ def get_config(arg=None):
     c.mesh.xla_profile = "overlap"      # latency-hiding scheduler + pipelined collectives (GPU)
     c.optim.name = "onebit_adam"        # exact Adam, then 1-bit compressed momentum all-reduce
     c.optim.freeze_step = c.train.steps // 5  # freeze v after 20% of the steps (200; smoke: 4)
-    c.optim.refresh_every = 10          # then every 10th step exact, refreshing v (bytes: 1/7.8)
     c.train.compute_dtype = "fp8"       # fp8 projections; the rest in fp8.other_dtype
     c.fp8.recipe = "current"            # per-tensor current scaling (stateless)
     c.fp8.other_dtype = "bfloat16"      # embedding, head, attention core
