@@ -46,7 +46,7 @@ FLAGS = flags.FLAGS
 
 def _max_runtime_s() -> float:
     from dsjax.config import ConfigError
-    from dsjax.preemption import parse_duration
+    from dsjax.runtime.preemption import parse_duration
     if FLAGS.max_runtime is None:
         return 0.0
     try:
@@ -63,8 +63,8 @@ def main(argv):
     if not FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
     config_arg = flags.FLAGS["config"].config_filename
-    from dsjax import distributed, xla_flags
-    from dsjax.cpu_devices import ensure_cpu_devices
+    from dsjax.runtime import distributed, xla_flags
+    from dsjax.runtime.cpu_devices import ensure_cpu_devices
     from dsjax.config import from_config_dict
     path, _, arg = config_arg.partition(":")
     name = os.path.splitext(os.path.basename(path))[0] + (f":{arg}" if arg else "")
@@ -81,7 +81,7 @@ def main(argv):
         metrics.log(xla_flags.summary(cfg.mesh.xla_profile))
         workdir = FLAGS.workdir or os.path.join("runs", name.replace(":", "_"))
         if not FLAGS.verbose:
-            from dsjax.errors import quiet_library_logs
+            from dsjax.runtime.logs import quiet_library_logs
             import jax
             quiet_library_logs(workdir, jax.process_index())
         if FLAGS.mode == "train":

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402  (no JAX import yet)
-from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
 
 def _value(text: str):

@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402  (no JAX import yet)
+from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402  (no JAX import yet)
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
 
 FIGURES = ("samples_per_sec", "step_ms", "mfu", "mem_bytes", "comm_fraction")

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from compare import DEFAULT_DATA_DIR, host_batches  # noqa: E402  pylint: disable=C0413
-from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
 
 

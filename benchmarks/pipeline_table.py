@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax import config as config_lib  # noqa: E402
-from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
 # The opcode, sync or async start (whose result type is a tuple), never its -done.
 _PERMUTE = re.compile(r"\scollective-permute(-start)?\(")

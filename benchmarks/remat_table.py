@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
-from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
 ensure_cpu_devices(1)
 

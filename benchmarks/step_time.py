@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402
-from dsjax.cpu_devices import ensure_cpu_devices  # noqa: E402
+from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
 PRESETS = {
     # ~1.23B parameters: 16 x 2048 wide, 16 heads of 128, SwiGLU 5504, DeepSeek's vocab.

@@ -39,18 +39,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from dsjax.config import ModelConfig
+from dsjax.errors import CheckpointCorrupt, CheckpointError
 
 ITEMS = ("params", "train", "errors", "data", "meta")
 MANIFEST = "dsjax_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step that is still being written
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incompatible or corrupt; the message names it."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A complete checkpoint's files are damaged (truncated, altered, missing)."""
 
 
 def _crc32(path: str) -> int:

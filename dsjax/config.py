@@ -15,7 +15,9 @@ from typing import Any
 
 import ml_collections
 
-from dsjax import remat, xla_flags
+from dsjax import remat
+from dsjax.runtime import xla_flags
+from dsjax.errors import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
 FP8_RECIPES = ("current", "delayed", "rowwise")
@@ -30,10 +32,6 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 ATTENTION_KINDS = ("mha", "mla")
 ROPE_SCALINGS = ("none", "yarn")
 MOE_SCORINGS = ("softmax", "sigmoid")
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +96,7 @@ class MeshConfig:
     # process (or, with fewer processes than hosts, a block of one process's devices).
     dcn_data: int = 0  # hosts the data axis spans; 0: every process is a host, data spans all
     dcn_pipeline: int = 1  # hosts the pipeline axis spans (only when data cannot cover them)
-    xla_profile: str = "none"  # XLA flags set before JAX starts: none | overlap (xla_flags.py)
+    xla_profile: str = "none"  # XLA flags set before JAX starts: none | overlap (runtime/xla_flags.py)
 
 
 @dataclasses.dataclass(frozen=True)

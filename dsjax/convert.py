@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dsjax.config import ConfigError, ModelConfig, _validate_deepseek
+from dsjax.errors import ConvertError
 from dsjax.safetensors_io import (DTYPES, SafetensorsCheckpoint, SafetensorsError, open_directory,
                                   parse_size, write_checkpoint)
 
@@ -36,11 +37,6 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "generation_config.json")
 EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 FLOAT_TAGS = ("F32", "BF16", "F16", "F64")
-
-
-class ConvertError(ValueError):
-    """A Hugging Face directory or a checkpoint cannot be converted; the message names the tensor,
-    field or file."""
 
 
 # ---------------------------------------------------------------------------------------------

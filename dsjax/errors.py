@@ -1,54 +1,45 @@
-"""What a user sees when a run fails: one line for bad input or a stopped run, not a traceback.
+"""Every user-facing error type: the ground floor that every other module may import.
 
-`USER_ERRORS` are the types launch.py reports as `dsjax: error: ...` and exit 2. Libraries do their
-own reporting too (Orbax logs a failed background write from each of its threads, asyncio logs
-futures nobody awaited); without --verbose, `quiet_library_logs` sends that to a file in the run
-directory, so the one line stays one line and the details are still kept.
+`USER_ERRORS` are the types launch.py reports as one line, `dsjax: error: ...`, with exit 2 (no
+traceback): bad input (config, data, checkpoint, weights) or a run that cannot continue.
 """
 
-import logging
-import os
-import sys
-import threading
-import traceback
 
-from dsjax.checkpoint import CheckpointError
-from dsjax.config import ConfigError
-from dsjax.data import DataError
-from dsjax.train import TrainingError
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field."""
+
+
+class DistributedError(ConfigError):
+    """The multi-process settings are incomplete or inconsistent; the message names them."""
+
+
+class RematError(ValueError):
+    """An unknown remat policy or pattern; the message lists the valid ones."""
+
+
+class DataError(ValueError):
+    """Bad input data: missing or corrupt file, bad line, too little data. Names the file."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incompatible or corrupt; the message names it."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A complete checkpoint's files are damaged (truncated, altered, missing)."""
+
+
+class SafetensorsError(ValueError):
+    """A file is not valid safetensors, or a tensor is not where the index says; names it."""
+
+
+class ConvertError(ValueError):
+    """A Hugging Face directory or a checkpoint cannot be converted; the message names the tensor,
+    field or file."""
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. a non-finite loss); the message says why and where."""
+
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingError)
-
-
-def quiet_library_logs(workdir: str, process_index: int = 0) -> str | None:
-    """Routes Python logging (absl, Orbax, asyncio) and uncaught thread exceptions to
-    WORKDIR/logs/process_N.log; returns its path (None if the directory is not writable: the
-    run reports that itself)."""
-    path = os.path.join(workdir, "logs", f"process_{process_index}.log")
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        stream = open(path, "a", encoding="utf-8", buffering=1)  # pylint: disable=consider-using-with
-    except OSError:
-        return None
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    logging.getLogger("absl").propagate = True
-
-    def thread_hook(args):
-        stream.write(f"exception in thread {args.thread.name if args.thread else '?'}:\n" +
-                     "".join(traceback.format_exception(args.exc_type, args.exc_value,
-                                                        args.exc_traceback)))
-
-    def unraisable_hook(unraisable):
-        stream.write(f"unraisable exception ({unraisable.err_msg or ''}):\n" +
-                     "".join(traceback.format_exception(unraisable.exc_type,
-                                                        unraisable.exc_value,
-                                                        unraisable.exc_traceback)))
-
-    threading.excepthook = thread_hook
-    sys.unraisablehook = unraisable_hook
-    return path

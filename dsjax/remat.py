@@ -36,14 +36,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dsjax.errors import RematError
+
 TAGS = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out", "mlp_gate", "mlp_up",
         "mlp_hidden", "mlp_out", "kv_latent", "moe_routed")
 ATTENTION_CORE = ("attn_context",)
 POLICIES = ("none", "full", "dots", "dots_no_batch", "attention_core", "names:", "offload:")
-
-
-class RematError(ValueError):
-    """An unknown policy or pattern; the message lists the valid ones."""
 
 
 def _names(spec: str, prefix: str) -> tuple[str, ...]:

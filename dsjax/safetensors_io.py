@@ -24,6 +24,8 @@ from typing import Callable, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
+from dsjax.errors import SafetensorsError
+
 # safetensors dtype tag -> numpy dtype (little-endian; `_check_host` refuses big-endian hosts).
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -36,10 +38,6 @@ TAGS = {dtype: tag for tag, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 2**20  # the format's own limit; anything larger is not a header
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".bin.index.json")
-
-
-class SafetensorsError(ValueError):
-    """A file is not valid safetensors, or a tensor is not where the index says; names it."""
 
 
 def _check_host() -> None:

@@ -34,8 +34,10 @@ from dsjax import batching
 from dsjax import checkpoint as ckpt
 from dsjax import fp8, pipeline, remat
 from dsjax import metrics as mx
-from dsjax import sharding, xla_flags
+from dsjax import sharding
+from dsjax.runtime import xla_flags
 from dsjax.config import Config
+from dsjax.errors import TrainingError
 from dsjax.model import Transformer, count_params, weighted_cross_entropy
 from dsjax.model import moe
 from dsjax.model.decoder import AUX
@@ -46,10 +48,6 @@ from dsjax.optim.onebit import tree_sq_norm
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 DATA = "data"  # the mesh axis 1-bit Adam reduces over (see dsjax.sharding.MESH_AXES)
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (e.g. a non-finite loss); the message says why and where."""
 
 
 @struct.dataclass
@@ -559,7 +557,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     summary has `stopped_early` (docs/reliability.md). `allow_fallback`: a corrupt newest
     checkpoint is moved aside and the previous one resumed, instead of stopping."""
     from dsjax import evaluate  # local: evaluate imports train for the trainer
-    from dsjax.preemption import StopConditions
+    from dsjax.runtime.preemption import StopConditions
     from dsjax.data import SampleStream
 
     check_workdir(workdir)

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ROOT, TINY_FLAGS, read_records, run_launch
 from dsjax import config as config_lib
-from dsjax import distributed, sharding, xla_flags
+from dsjax import sharding
+from dsjax.runtime import distributed, xla_flags
 from dsjax.config import ConfigError
 from dsjax.sharding import MESH_AXES
 
@@ -162,7 +163,7 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
 @pytest.mark.slow
 def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
     # SIGTERM reaches process 1 only; process 0 learns of it through the coordination service's
-    # key-value store (dsjax/preemption.py), both finish the same step, write one checkpoint
+    # key-value store (dsjax/runtime/preemption.py), both finish the same step, write one checkpoint
     # together and exit 0. A disagreement would hang the next collective (the test then fails
     # on its deadline instead).
     from dsjax.data import build_stdlib_corpus

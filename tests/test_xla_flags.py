@@ -1,4 +1,4 @@
-"""XLA flag profiles (dsjax/xla_flags.py): what `apply` puts in XLA_FLAGS, what config.json
+"""XLA flag profiles (dsjax/runtime/xla_flags.py): what `apply` puts in XLA_FLAGS, what config.json
 records, and that the installed XLA knows every flag of every profile (an unknown one is fatal)."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT
 from dsjax import config as config_lib
-from dsjax import xla_flags
+from dsjax.runtime import xla_flags
 from dsjax.config import ConfigError
 
 

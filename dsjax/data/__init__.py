@@ -6,11 +6,7 @@ Grain (which imports JAX) is loaded when a pipeline is first built.
 """
 
 
-class DataError(ValueError):
-    """Bad input data: missing or corrupt file, bad line, too little data. Names the file."""
-
-
-# Submodules import DataError from here, so it must be defined before they are imported.
+from dsjax.errors import DataError
 from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
 from dsjax.data.shards import PackedSource, ShardWriter  # noqa: E402
 from dsjax.data.pipeline import (  # noqa: E402

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsjax.data import DataError
+from dsjax.errors import DataError
 from dsjax.data.shards import PackedSource
 
 

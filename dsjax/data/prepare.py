@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from dsjax.data import DataError
+from dsjax.errors import DataError
 from dsjax.data.shards import ShardWriter
 from dsjax.data.tokenizers import load_tokenizer
 

@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from dsjax.data import DataError
+from dsjax.errors import DataError
 
 FORMAT = "dsjax-tokens-v1"
 META = "meta.json"

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from dsjax.data import DataError
+from dsjax.errors import DataError
 
 # End-of-document spellings of the common open model families, most specific first
 # (DeepSeek, Llama/Mistral, GPT-2/Qwen, Gemma).

@@ -19,16 +19,12 @@ import dataclasses
 import os
 from typing import Mapping
 
-from dsjax.config import ConfigError
-from dsjax.cpu_devices import ensure_cpu_devices
+from dsjax.errors import DistributedError
+from dsjax.runtime.cpu_devices import ensure_cpu_devices
 
 # What jax.distributed.SlurmCluster needs; SLURM_STEP_NODELIST only exists inside `srun`.
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
                "SLURM_LOCALID")
-
-
-class DistributedError(ConfigError):
-    """The multi-process settings are incomplete or inconsistent; the message names them."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,8 @@ flag only affects the host (CPU) platform, so setting it on a GPU machine change
 import os
 import sys
 
+from dsjax.errors import ConfigError
+
 _FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -14,7 +16,6 @@ def ensure_cpu_devices(count: int, num_processes: int = 1) -> None:
     """Asks XLA for this process's share of `count` CPU devices (the mesh spans `num_processes`
     processes, each simulating count / num_processes) unless XLA_FLAGS already says how many."""
     if count % num_processes:
-        from dsjax.config import ConfigError  # pylint: disable=g-import-not-at-top
         raise ConfigError(f"mesh: {count} devices cannot be split evenly over {num_processes} "
                           "processes (set mesh.data, mesh.tensor, mesh.pipeline)")
     count //= num_processes
