@@ -4,7 +4,7 @@ compiled, never run.
   python benchmarks/pipeline_table.py --config configs/cpu_tiny.py --out benchmarks/results/pipeline_cpu_tiny.json
 
 For the config's mesh (mesh.pipeline > 1; `--pipeline` overrides, taking devices from
-mesh.data) compiles the loss and gradient of the training step (`train.loss_fn` under
+mesh.data) compiles the loss and gradient of the training step (`dsjax.model.loss.loss_fn` under
 `jax.value_and_grad`, with the step's shardings: what the schedule changes; the optimizer update
 adds the same to every row) for every schedule and microbatch count, and reads
 `memory_analysis().temp_size_in_bytes` and the collective-permute instructions of the compiled
@@ -45,13 +45,14 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     """One row: compile loss + gradient of `cfg` under `schedule` on all devices."""
     import jax  # pylint: disable=g-import-not-at-top
     from dsjax import pipeline, sharding, train  # pylint: disable=g-import-not-at-top
+    from dsjax.model.loss import loss_fn  # pylint: disable=g-import-not-at-top
 
     batch = rows_per_microbatch * microbatches or cfg.data.global_batch
     cfg = _with(cfg, schedule, microbatches, repeats, batch)
     config_lib.validate(cfg)
     trainer = train.build_trainer(cfg)
     state = train.abstract_state(trainer)
-    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: train.loss_fn(p, state.apply_fn, b)[0]))
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, state.objective, b)[0]))
     t0 = time.perf_counter()
     with sharding.activate(trainer.mesh, trainer.rules):
         compiled = grad_fn.lower(state.params, train.abstract_batch(trainer)).compile()

@@ -20,7 +20,7 @@ from dsjax import checkpoint as ckpt
 from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
-from dsjax.model import weighted_cross_entropy
+from dsjax.model.loss import ModelLoss
 
 BYTE_VOCAB = 256  # ids below this are raw bytes in the byte tokenizer
 
@@ -62,9 +62,8 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
     return Splits(train, held_out, meta["tokenizer"])
 
 
-def _eval_step(apply_fn, params, batch):
-    logits = apply_fn({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-    nll, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+def _eval_step(model, params, batch):
+    nll, count = ModelLoss(model).nll_sum(params, batch)
     byte_weights = batch["weights"] * (batch["targets"] < BYTE_VOCAB)
     return nll, count, jnp.sum(byte_weights)
 
@@ -78,7 +77,7 @@ def evaluate_params(trainer, params: Any, eval_dir: str, cfg: Config) -> dict[st
     nll = count = nbytes = 0.0
     with sharding.activate(trainer.mesh, trainer.rules):
         for b in batches:
-            out = step(trainer.eval_model.apply, params, trainer.device_batch(_local(b)))
+            out = step(trainer.eval_model, params, trainer.device_batch(_local(b)))
             n, c, nb = (float(x) for x in jax.device_get(out))
             nll, count, nbytes = nll + n, count + c, nbytes + nb
     loss = nll / max(count, 1.0)

@@ -92,7 +92,7 @@ def ticks(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> in
 
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
-    """A `Transformer` trained through a pipeline schedule; `TrainState.apply_fn` when
+    """A `Transformer` trained through a pipeline schedule; `TrainState.objective` when
     mesh.pipeline > 1. Calling it is the unpipelined `model.apply` (evaluation, generation);
     `loss` is the pipelined mean next-token loss, differentiable with `jax.grad`. Call both under
     the mesh (`sharding.activate`)."""

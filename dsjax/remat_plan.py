@@ -24,6 +24,8 @@ from jax.sharding import Mesh
 
 from dsjax import remat, sharding
 from dsjax.config import Config, ConfigError
+from dsjax.model.build import make_model
+from dsjax.model.loss import ModelLoss, loss_fn
 
 # (policy, layers) pairs the planner considers, from no recomputation to full recomputation.
 CANDIDATES = (("none", "all"), ("dots", "all"), ("dots_no_batch", "all"),
@@ -54,7 +56,6 @@ def _with_depth(cfg: Config, policy: str, layers: str, groups: int) -> tuple[Con
 
 def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
     """Compiles value_and_grad of the training loss for `cfg` on abstract, sharded inputs."""
-    from dsjax.train import loss_fn, make_model
 
     rules = sharding.logical_rules(cfg.mesh.fsdp)
     # for_eval: delayed fp8 scaling measured as current scaling (same GEMMs, no amax history).
@@ -69,7 +70,7 @@ def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
                                      sharding=bs)
              for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
-    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, model.apply, b)[0])
+    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, ModelLoss(model), b)[0])
     with sharding.activate(mesh, rules):
         return jax.jit(grad_fn, out_shardings=(sharding.replicated(mesh), shardings)).lower(
             params, batch).compile()

@@ -38,16 +38,15 @@ from dsjax import sharding
 from dsjax.runtime import xla_flags
 from dsjax.config import Config
 from dsjax.errors import TrainingError
-from dsjax.model import Transformer, count_params, weighted_cross_entropy
+from dsjax.model import ModelLoss, Transformer, count_params
+from dsjax.model.build import make_model
+from dsjax.model.loss import BATCH_KEYS, loss_fn
 from dsjax.model import moe
-from dsjax.model.decoder import AUX
 from dsjax.optim import loss_scale as ls
 from dsjax.optim import OneBitAdam, OneBitAdamState, make_optimizer
 from dsjax.optim.onebit import tree_sq_norm
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 DATA = "data"  # the mesh axis 1-bit Adam reduces over (see dsjax.sharding.MESH_AXES)
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @struct.dataclass
@@ -57,58 +56,12 @@ class TrainState:
     opt_state: Any
     loss_scale: ls.LossScale  # float16: dynamic scale; otherwise fixed 1, counts skipped steps
     fp8_meta: Any  # delayed fp8 scaling state ({} otherwise): never seen by the optimizer
-    apply_fn: Callable = struct.field(pytree_node=False)
+    objective: Any = struct.field(pytree_node=False)  # ModelLoss, or Pipelined (mesh.pipeline > 1)
     tx: optax.GradientTransformation | OneBitAdam = struct.field(pytree_node=False)
     lr_fn: Callable = struct.field(pytree_node=False)
     fp8_margin: float = struct.field(pytree_node=False, default=0.0)
     router_bias_speed: float = struct.field(pytree_node=False, default=0.0)  # MoE sigmoid
                             # routers: aux-loss-free bias step after each step (DeepSeek-V3)
-
-
-def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unroll: bool = False,
-               for_eval: bool = False) -> Transformer:
-    """The decoder `cfg` describes: compute dtype, fp8 precision policy, per-layer remat."""
-    L = cfg.model.num_layers
-    if layer_policies is None:
-        layer_policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, L)
-    if cfg.train.compute_dtype != "fp8":
-        return Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
-                           layer_policies=layer_policies, scan_unroll=unroll)
-    f = cfg.fp8
-    fp8_layers = tuple(f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L))
-    # Delayed scaling's amax history is training state; eval scales each tensor by itself.
-    recipe = "current" if for_eval and f.recipe == "delayed" else f.recipe
-    return Transformer(cfg.model, dtype=COMPUTE_DTYPES[f.other_dtype],
-                       layer_policies=layer_policies, scan_unroll=unroll,
-                       fp8_matmuls=f.matmul_names, fp8_recipe=recipe,
-                       fp8_history=f.history_len, fp8_layers=fp8_layers)
-
-
-def nll_sum(params: Any, apply_fn: Callable, batch: dict[str, jax.Array], fp8_meta: Any = None
-            ) -> tuple[jax.Array, jax.Array]:
-    """Sum of next-token NLL over weighted positions, and the weight sum."""
-    variables = {"params": params}
-    if fp8_meta:
-        variables[fp8.META_COLLECTION] = fp8_meta
-    logits = apply_fn(variables, batch["inputs"], batch["positions"], batch["segment_ids"])
-    return weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-
-
-def loss_and_aux(params: Any, apply_fn: Callable, batch: dict[str, jax.Array],
-                 fp8_meta: Any = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """(mean next-token NLL over weighted positions, the weight sum, the model's auxiliary terms):
-    for MoE/MTP models (DeepSeek-V2/V3) "aux_loss" (to add to the NLL: balance and MTP losses,
-    weighted), "moe_load" [MoE layers, E] and "mtp_loss"; {} for dense models."""
-    if isinstance(apply_fn, pipeline.Pipelined):  # mesh.pipeline > 1: the schedule computes it
-        return apply_fn.loss_and_aux(params, batch, fp8_meta)
-    variables = {"params": params}
-    if fp8_meta:
-        variables[fp8.META_COLLECTION] = fp8_meta
-    logits, sown = apply_fn(variables, batch["inputs"], batch["positions"], batch["segment_ids"],
-                            batch["targets"], batch["weights"], mutable=[AUX])
-    total, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-    aux = {key: values[0] for key, values in sown.get(AUX, {}).items()}  # sow keeps tuples
-    return total / jnp.maximum(count, 1.0), count, aux
 
 
 def moe_record(m: dict[str, Any]) -> dict[str, Any]:
@@ -122,14 +75,6 @@ def moe_record(m: dict[str, Any]) -> dict[str, Any]:
         if key in m:
             out[key] = float(np.mean(m[key]))
     return out
-
-
-def loss_fn(params: Any, apply_fn: Callable, batch: dict[str, jax.Array], fp8_meta: Any = None
-            ) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token NLL over weighted positions plus the model's auxiliary losses (MoE
-    balance, MTP; none for dense models), and the weight sum."""
-    loss, count, aux = loss_and_aux(params, apply_fn, batch, fp8_meta)
-    return loss + aux.get("aux_loss", 0.0), count
 
 
 def finite_by_group(grads: Any) -> dict[str, jax.Array]:
@@ -179,7 +124,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
 
     def micro_grads(micro):
         def scaled_loss(params, fp8_meta):
-            loss, tokens, aux = loss_and_aux(params, state.apply_fn, micro, fp8_meta)
+            loss, tokens, aux = state.objective.loss_and_aux(params, micro, fp8_meta)
             if accumulating:  # this micro-batch's share of the whole batch's mean loss
                 share = tokens / count
                 loss = loss * share
@@ -253,19 +198,13 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
         share = lax.axis_size(DATA) / jnp.maximum(count, 1.0)
 
         def objective(params, fp8_meta, micro):
-            aux = {}
             with nn.logical_axis_rules(local_rules):
-                if with_aux:  # (pipelined or not) MTP: token-weighted like the NLL
-                    mean, local, aux = loss_and_aux(params, state.apply_fn, micro, fp8_meta)
-                    local = jnp.maximum(local, 1.0)
-                    total = mean * local
-                    aux = {k: aux[k] * local for k in ("aux_loss", "mtp_loss")}
-                elif isinstance(state.apply_fn, pipeline.Pipelined):
-                    # The pipeline's shard_map (manual over `pipeline`) nests inside this one.
-                    mean, local = state.apply_fn.loss(params, micro, fp8_meta)
-                    total = mean * jnp.maximum(local, 1.0)
-                else:
-                    total, _ = nll_sum(params, state.apply_fn, micro, fp8_meta)
+                # Pipelined: the pipeline's shard_map (manual over `pipeline`) nests in this one.
+                mean, local, aux = state.objective.loss_and_aux(params, micro, fp8_meta)
+            local = jnp.maximum(local, 1.0)
+            total = mean * local
+            # MTP (pipelined or not): token-weighted like the NLL.
+            aux = {k: aux[k] * local for k in ("aux_loss", "mtp_loss")} if with_aux else {}
             return (ls.scale_loss(loss_scale, (total + aux.get("aux_loss", 0.0)) * share),
                     (total, aux))
 
@@ -429,8 +368,8 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     # nested in 1-bit Adam's gradient shard_map (the schedule types its values over `pipeline`
     # alone; inside, they also vary over `data`).
     typed = cfg.train.compute_dtype != "fp8" and not (onebit and cfg.mesh.pipeline > 1)
-    apply_fn = (pipeline.make(model, cfg.pipeline, cfg.mesh.pipeline, typed=typed)
-                if cfg.mesh.pipeline > 1 else model.apply)
+    objective = (pipeline.make(model, cfg.pipeline, cfg.mesh.pipeline, typed=typed)
+                 if cfg.mesh.pipeline > 1 else ModelLoss(model))
 
     def init_boxed(rng):
         variables = model.init(rng, dummy)
@@ -439,7 +378,7 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
         opt_state = () if onebit else tx.init(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                           loss_scale=loss_scale, fp8_meta=variables.get(fp8.META_COLLECTION, {}),
-                          apply_fn=apply_fn, tx=tx, lr_fn=lr_fn, fp8_margin=cfg.fp8.margin,
+                          objective=objective, tx=tx, lr_fn=lr_fn, fp8_margin=cfg.fp8.margin,
                           router_bias_speed=(cfg.model.bias_update_speed
                                              if cfg.model.scoring == "sigmoid" else 0.0))
 

@@ -25,6 +25,7 @@ from dsjax import checkpoint as ckpt
 from dsjax import convert
 from dsjax.model import Transformer
 from dsjax.model.decoder import abstract_params
+from dsjax.model.loss import loss_fn
 from dsjax.model.moe import MoE, moe_fields, route
 
 hf_logging.disable_progress_bar()
@@ -353,13 +354,12 @@ def test_router_bias_gets_no_gradient_and_update_formula():
 
 
 def test_mtp_loss_is_present_weighted_and_dropped_at_eval():
-    from dsjax.train import loss_and_aux, loss_fn  # pylint: disable=import-outside-toplevel
     trainer = _trainer(**{"model.aux_loss_alpha": 0.0})
     state = trainer.init()
     batch = {k: jnp.asarray(v) for k, v in _batch().items()}
     with __import__("dsjax.sharding").sharding.activate(trainer.mesh, trainer.rules):
-        nll, _, aux = jax.jit(lambda p: loss_and_aux(p, state.apply_fn, batch))(state.params)
-        total, _ = jax.jit(lambda p: loss_fn(p, state.apply_fn, batch))(state.params)
+        nll, _, aux = jax.jit(lambda p: state.objective.loss_and_aux(p, batch))(state.params)
+        total, _ = jax.jit(lambda p: loss_fn(p, state.objective, batch))(state.params)
         logits = trainer.eval_model.apply({"params": state.params}, batch["inputs"],
                                           batch["positions"], batch["segment_ids"])
         _, sown = trainer.eval_model.apply({"params": state.params}, batch["inputs"],

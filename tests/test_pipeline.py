@@ -15,6 +15,7 @@ from conftest import ROOT, random_batch, run_launch
 from dsjax import config as config_lib
 from dsjax import fp8, pipeline, sharding, train
 from dsjax.config import ConfigError
+from dsjax.model.loss import ModelLoss, loss_fn
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import pipeline_table  # noqa: E402  pylint: disable=wrong-import-position
@@ -37,7 +38,7 @@ def _pipelined(mesh, schedule, microbatches, repeats=1, batch=8, **overrides):
 
 
 def _loss_and_grads(apply_fn, params, batch):
-    return jax.jit(jax.value_and_grad(lambda p, b: train.loss_fn(p, apply_fn, b)[0]))(params,
+    return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, apply_fn, b)[0]))(params,
                                                                                       batch)
 
 
@@ -67,8 +68,8 @@ def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, re
                                                                "model.mtp_loss_weight": 0.5})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
-    assert isinstance(state.apply_fn, pipeline.Pipelined)
-    apply_fn = dataclasses.replace(state.apply_fn, typed=typed)
+    assert isinstance(state.objective, pipeline.Pipelined)
+    apply_fn = dataclasses.replace(state.objective, typed=typed)
     # The layer stack is split over the stages, as the rules table says.
     assert trainer.state_shardings.params["layers"]["attn"]["q"].spec[0] == "pipeline"
     host_batch = random_batch(np.random.default_rng(1), 8, 16, vocab=128)
@@ -80,7 +81,7 @@ def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, re
         loss, grads = _loss_and_grads(apply_fn, state.params, trainer.device_batch(host_batch))
     # Reference: the same weights, the plain decoder, one device, no mesh.
     params = jax.device_get(state.params)
-    ref_loss, ref_grads = _loss_and_grads(state.apply_fn.model.apply, params, host_batch)
+    ref_loss, ref_grads = _loss_and_grads(ModelLoss(state.objective.model), params, host_batch)
     # float32: only the summation order differs (per microbatch, then across them).
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0],
@@ -216,11 +217,11 @@ def test_1f1b_with_delayed_fp8_matches_the_unpipelined_model():
     host_batch = random_batch(np.random.default_rng(3), 8, 16, vocab=128)
 
     def loss_and_grads(apply_fn, params, meta, batch):
-        fn = jax.value_and_grad(lambda p, m, b: train.loss_fn(p, apply_fn, b, m)[0], (0, 1))
+        fn = jax.value_and_grad(lambda p, m, b: loss_fn(p, apply_fn, b, m)[0], (0, 1))
         return jax.jit(fn)(params, meta, batch)
 
     params, meta = jax.device_get(state.params), jax.device_get(state.fp8_meta)
-    reference = state.apply_fn.model.apply
+    reference = ModelLoss(state.objective.model)
     # One observation first: with empty histories (scale 0) every recipe falls back to current
     # scaling, whose per-tensor scales do depend on the microbatch.
     _, (_, observed) = loss_and_grads(reference, params, meta, host_batch)
@@ -228,7 +229,7 @@ def test_1f1b_with_delayed_fp8_matches_the_unpipelined_model():
     ref_loss, (ref_grads, ref_obs) = loss_and_grads(reference, params, meta, host_batch)
     with sharding.activate(trainer.mesh, trainer.rules):
         loss, (grads, obs) = loss_and_grads(
-            state.apply_fn, state.params, jax.device_put(meta, trainer.state_shardings.fp8_meta),
+            state.objective, state.params, jax.device_put(meta, trainer.state_shardings.fp8_meta),
             trainer.device_batch(host_batch))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
@@ -263,7 +264,7 @@ def _moe_pipelined(mesh, schedule, microbatches, **overrides):
 
 def _objective_and_aux(apply_fn, params, batch):
     def objective(p, b):
-        loss, _, aux = train.loss_and_aux(p, apply_fn, b)
+        loss, _, aux = apply_fn.loss_and_aux(p, b)
         return loss + aux["aux_loss"], (loss, aux)
     return jax.jit(jax.value_and_grad(objective, has_aux=True))(params, batch)
 
@@ -293,7 +294,7 @@ def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches
         "model.num_mtp_layers": mtp, "model.mtp_loss_weight": 0.5})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
-    assert isinstance(state.apply_fn, pipeline.Pipelined)
+    assert isinstance(state.objective, pipeline.Pipelined)
     specs = trainer.state_shardings.params
     assert specs["moe_layers"]["moe"]["up"].spec[0] == "pipeline"
     if dense:  # every stage holds the dense blocks whole (they run on stage 0)
@@ -301,10 +302,10 @@ def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches
         assert "pipeline" not in jax.tree.leaves(specs["layers"]["mlp"]["up"].spec)
     host_batch = random_batch(np.random.default_rng(4), 8, 16, vocab=128)
     with sharding.activate(trainer.mesh, trainer.rules):
-        (_, (loss, aux)), grads = _objective_and_aux(state.apply_fn, state.params,
+        (_, (loss, aux)), grads = _objective_and_aux(state.objective, state.params,
                                                      trainer.device_batch(host_batch))
     params = jax.device_get(state.params)
-    (_, (ref_loss, ref_aux)), ref_grads = _objective_and_aux(state.apply_fn.model.apply, params,
+    (_, (ref_loss, ref_aux)), ref_grads = _objective_and_aux(ModelLoss(state.objective.model), params,
                                                              host_batch)
     assert sorted(aux) == sorted(ref_aux) == ["aux_loss", "moe_load"] + ["mtp_loss"] * bool(mtp)
     # float32: only the summation order differs (per microbatch, then across them).

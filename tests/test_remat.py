@@ -13,7 +13,7 @@ from dsjax import config as config_lib
 from dsjax import remat, remat_plan, sharding
 from dsjax.config import ConfigError
 from dsjax.model import Transformer
-from dsjax.train import loss_fn
+from dsjax.model.loss import ModelLoss, loss_fn
 
 TINY = {"model.num_layers": 4, "model.hidden_size": 64, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 256,
@@ -34,7 +34,7 @@ def one_device_mesh():
 
 def _grads(policies, params, batch):
     model = Transformer(_cfg().model, layer_policies=policies)
-    return jax.jit(jax.grad(lambda p: loss_fn(p, model.apply, batch)[0]))(params)
+    return jax.jit(jax.grad(lambda p: loss_fn(p, ModelLoss(model), batch)[0]))(params)
 
 
 def test_gradients_are_equal_across_policies_and_patterns():

@@ -7,6 +7,7 @@ Einsum / shape-suffix legend used throughout `dsjax.model`:
   C the MLA KV latent rank or, in MoE, slots per expert; T tokens flattened (B * S) in MoE.
 """
 
-from dsjax.model.decoder import Transformer, count_params, weighted_cross_entropy
+from dsjax.model.decoder import Transformer, count_params
+from dsjax.model.loss import ModelLoss, weighted_cross_entropy
 
-__all__ = ["Transformer", "count_params", "weighted_cross_entropy"]
+__all__ = ["ModelLoss", "Transformer", "count_params", "weighted_cross_entropy"]

@@ -15,6 +15,7 @@ import numpy as np
 
 from dsjax import fp8, remat
 from dsjax.config import ModelConfig
+from dsjax.model.loss import AUX, weighted_cross_entropy
 from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
@@ -23,7 +24,6 @@ RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
 # leading dense blocks and the MTP modules (every stage holds them whole; dsjax/pipeline.py).
 EXTRA_LAYERS = "extra_layers"
-AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
 ATTN_MATMULS = ("q", "k", "v", "o")
 MLP_MATMULS = ("gate", "up", "down")
 
@@ -329,18 +329,6 @@ def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array
     logits_BSV = jnp.einsum("BSD,DV->BSV", x_BSD, head_DV.astype(dtype),
                             preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
-
-
-def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,
-                           weights_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of weighted next-token NLL in nats, sum of weights); logits in float32."""
-    logz_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
-    # A one-hot contraction rather than take_along_axis: it stays a fused reduction when the vocab
-    # axis is sharded over `tensor`.
-    target_logit_BS = jnp.sum(logits_BSV * jax.nn.one_hot(targets_BS, logits_BSV.shape[-1],
-                                                          dtype=logits_BSV.dtype), axis=-1)
-    nll_BS = (logz_BS - target_logit_BS) * weights_BS
-    return jnp.sum(nll_BS), jnp.sum(weights_BS)
 
 
 def abstract_params(cfg: ModelConfig, seq_len: int = 8) -> Any:

@@ -1,0 +1,79 @@
+"""The training objective: next-token cross-entropy over weighted positions, and the unpipelined
+model seen as a loss.
+
+The one idea: the loop never asks whether the model is pipelined. `ModelLoss` (here) and
+`dsjax.pipeline.Pipelined` expose the same `loss_and_aux(params, batch, fp8_meta)`, and
+`TrainState.objective` holds one of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dsjax import fp8
+
+# The arrays of one batch, each [B, S] (or [k, B/k, S] with accumulation): tokens in, next
+# tokens out, packed-document ids, positions within a document, and per-target loss weights.
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
+
+
+def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,
+                           weights_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted next-token NLL in nats, sum of weights); logits in float32."""
+    logz_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
+    # A one-hot contraction rather than take_along_axis: it stays a fused reduction when the vocab
+    # axis is sharded over `tensor`.
+    target_logit_BS = jnp.sum(logits_BSV * jax.nn.one_hot(targets_BS, logits_BSV.shape[-1],
+                                                          dtype=logits_BSV.dtype), axis=-1)
+    nll_BS = (logz_BS - target_logit_BS) * weights_BS
+    return jnp.sum(nll_BS), jnp.sum(weights_BS)
+
+
+def _variables(params: Any, fp8_meta: Any) -> dict[str, Any]:
+    variables = {"params": params}
+    if fp8_meta:
+        variables[fp8.META_COLLECTION] = fp8_meta
+    return variables
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLoss:
+    """An unpipelined `Transformer` as a loss. Calling it is `model.apply` (evaluation,
+    generation), as for `Pipelined`."""
+    model: Any  # dsjax.model.decoder.Transformer
+
+    def __call__(self, variables, *args, **kwargs):
+        return self.model.apply(variables, *args, **kwargs)
+
+    def nll_sum(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
+                ) -> tuple[jax.Array, jax.Array]:
+        """Sum of next-token NLL over weighted positions, and the weight sum (no MTP heads)."""
+        logits = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
+                                  batch["positions"], batch["segment_ids"])
+        return weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+
+    def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
+                     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """(mean next-token NLL over weighted positions, the weight sum, the model's auxiliary
+        terms): for MoE/MTP models (DeepSeek-V2/V3) "aux_loss" (to add to the NLL: balance and
+        MTP losses, weighted), "moe_load" [MoE layers, E] and "mtp_loss"; {} for dense models."""
+        logits, sown = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
+                                        batch["positions"], batch["segment_ids"],
+                                        batch["targets"], batch["weights"], mutable=[AUX])
+        total, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+        aux = {key: values[0] for key, values in sown.get(AUX, {}).items()}  # sow keeps tuples
+        return total / jnp.maximum(count, 1.0), count, aux
+
+
+def loss_fn(params: Any, objective: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
+            ) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token NLL over weighted positions plus the model's auxiliary losses (MoE
+    balance, MTP; none for dense models), and the weight sum. `objective`: a `ModelLoss` or a
+    `Pipelined`."""
+    loss, count, aux = objective.loss_and_aux(params, batch, fp8_meta)
+    return loss + aux.get("aux_loss", 0.0), count
