@@ -136,7 +136,8 @@ def measure(side: Side, peak: float, out_dir: str | None) -> dict:
     """The five figures (and their context) of one side, after its timed rounds."""
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
-    from dsjax import profiling, sharding  # pylint: disable=import-outside-toplevel
+    from dsjax import sharding  # pylint: disable=import-outside-toplevel
+    from dsjax.metrics import trace  # pylint: disable=import-outside-toplevel
 
     cfg, trainer = side.cfg, side.trainer
     step_s = statistics.median(side.rounds)
@@ -149,10 +150,10 @@ def measure(side: Side, peak: float, out_dir: str | None) -> dict:
     memory = mx.memory_reading(trainer.mesh.devices.flat[0], compiled)
     logdir = os.path.join(out_dir or os.path.join(ROOT, "runs", "compare"), "profile",
                           side.label)
-    (side.state, _), run_dir = profiling.trace_step(trainer.step, side.state, batch,
+    (side.state, _), run_dir = trace.trace_step(trainer.step, side.state, batch,
                                                     logdir=logdir, hlo_text=compiled.as_text())
     side.steps_done += 1  # the traced step trained too; it is not in the loss curve
-    comm = profiling.comm_share(run_dir)
+    comm = trace.comm_share(run_dir)
     util = [u for u in side.utilisation if u is not None]
     return {
         "config": side.spec, "compute_dtype": cfg.train.compute_dtype,
@@ -167,7 +168,7 @@ def measure(side: Side, peak: float, out_dir: str | None) -> dict:
         "exposed_comm_fraction": comm["exposed_comm_fraction"],
         "rendezvous_wait_fraction": comm["rendezvous_wait_fraction"],
         "comm_kinds_us": comm["kinds"], "traced_device_time_us": comm["device_time_us"],
-        "collective_bytes": profiling.collective_bytes(compiled.as_text(), devices)
+        "collective_bytes": mx.collective_bytes(compiled.as_text(), devices)
         if jax.devices()[0].platform == "cpu" else None,  # async GPU HLO would over-count
         "device_utilisation": statistics.median(util) if util else None,
         "profile": os.path.relpath(run_dir, out_dir) if out_dir else run_dir,

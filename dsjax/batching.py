@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax.config import BatchConfig, ConfigError
+from dsjax.metrics.memory import device_memory_bytes, memory_stats, predicted_bytes
 
 # ---------------------------------------------------------------------------------------------
 # Shapes, learning-rate rescaling, and the accumulated gradient (inside the compiled step).
@@ -158,15 +159,6 @@ def batch_shape(batch: dict[str, Any], data: int) -> Shape:
 # Compiled programs and the memory prediction.
 
 
-def predicted_bytes(compiled: Any) -> int:
-    """Per-device bytes a compiled program needs, from `memory_analysis()`: arguments + outputs -
-    donated (aliased) + temporaries, as dsjax.metrics reports it (an upper bound of XLA's own
-    buffer-assignment peak, which not every backend fills in)."""
-    a = compiled.memory_analysis()
-    return int(a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes +
-               a.temp_size_in_bytes)
-
-
 class Programs:
     """The compiled train step per (phase, accum_steps, micro-batch rows): each compiled once,
     ahead of time, inline or in one background thread, and its predicted memory. `phase` indexes
@@ -266,17 +258,6 @@ class Programs:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def device_memory_bytes(device: Any, override_gb: float = 0.0) -> float:
-    """Per-device memory: `override_gb` if set, else the allocator's `bytes_limit` where the
-    device reports one (GPU, TPU), else infinity (CPU: no limit to fit)."""
-    if override_gb:
-        return override_gb * 2**30
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return float(stats["bytes_limit"])
-    return math.inf
 
 
 def divisors(n: int) -> list[int]:
@@ -564,7 +545,7 @@ class Batcher:
 
     def _calibrate(self, predicted: int | None) -> None:
         # The allocator's peak is a lifetime peak: attribute it only to the largest program run.
-        stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
+        stats = memory_stats(self.device)
         if not predicted or not stats or "peak_bytes_in_use" not in stats:
             return
         if predicted >= self._largest_run:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -24,7 +25,9 @@ from jax.sharding import Mesh
 
 from dsjax import remat, sharding
 from dsjax.config import Config, ConfigError
+from dsjax.metrics.memory import device_memory_bytes
 from dsjax.model.build import make_model
+from dsjax.model.decoder import abstract_params, count_params
 from dsjax.model.loss import ModelLoss, loss_fn
 
 # (policy, layers) pairs the planner considers, from no recomputation to full recomputation.
@@ -106,18 +109,26 @@ def _measure(cfg: Config, mesh: Mesh, policy: str, layers: str) -> PolicyCost:
                       per_group_flops / group)
 
 
+def cost_analysis_flops(cfg: Any, mesh: Any) -> float:
+    """XLA's FLOPs for one forward + backward of the training loss of `cfg` (a `Config`) at its
+    global batch, summed over `mesh`'s devices.
+
+    The layer stack is unrolled, because `cost_analysis()` counts a scan body once whatever its
+    trip count. What it counts is what the program does: every dot as 2*M*N*K, attention over
+    the full S x S (the causal mask is a select, not skipped work), elementwise ops, and any
+    recomputation `cfg.remat` asks for. A partitioned program is one device's, so it is scaled
+    by the device count (work replicated across tensor shards counts once per device).
+    """
+    cost = compile_grad(cfg, mesh, unroll=True).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]) * mesh.devices.size
+
+
 def static_bytes_per_device(cfg: Config, mesh: Mesh) -> float:
     """Params + gradients + two Adam moments in float32, over the devices that shard them."""
-    from dsjax.model.decoder import abstract_params, count_params
-
     n = count_params(abstract_params(cfg.model))
     shards = mesh.shape["tensor"] * (mesh.shape["data"] if cfg.mesh.fsdp else 1)
     return 16.0 * n / shards
-
-
-def device_memory_bytes() -> float | None:
-    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
-    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 def choose(cfg: Config, mesh: Mesh, log=print, candidates=CANDIDATES
@@ -126,8 +137,8 @@ def choose(cfg: Config, mesh: Mesh, log=print, candidates=CANDIDATES
     if cfg.remat.memory_budget_gb:
         budget = cfg.remat.memory_budget_gb * 2 ** 30
     else:
-        limit = device_memory_bytes()
-        if limit is None:
+        limit = device_memory_bytes(jax.devices()[0])
+        if math.isinf(limit):
             raise ConfigError("remat.memory_budget_gb: required for remat.policy='auto' on "
                               "devices that do not report their memory (e.g. CPU)")
         budget = 0.9 * limit

@@ -731,7 +731,7 @@ class _Observer:
         return bool(self.every) and step_idx > 0 and (step_idx + 1) % self.every == 0
 
     def traced_step(self, step_idx: int, state: TrainState, batch: dict[str, jax.Array]):
-        from dsjax import profiling  # local: only runs that profile need the trace parser
+        from dsjax.metrics import trace as profiling  # TEMP
 
         hlo = self.trainer.program_for(state, batch).as_text()
         (state, m), run_dir = profiling.trace_step(self.trainer.step, state, batch,

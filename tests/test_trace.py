@@ -1,5 +1,5 @@
-"""dsjax/profiling.py: communication share from a real trace on 8 CPU devices, the interval
-arithmetic on a trace whose answer is known, and collective bytes from compiled HLO."""
+"""dsjax/metrics/trace.py and hlo.py: communication share from a real trace on 8 CPU devices,
+the interval arithmetic on a trace whose answer is known, and collective bytes from compiled HLO."""
 
 import glob
 import gzip
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dsjax import metrics as mx
-from dsjax import profiling
+from dsjax.metrics import hlo as hlo_lib
+from dsjax.metrics import trace
 
 W = 8  # simulated devices (tests/conftest.py)
 GRAD = (1024, 1024)  # float32: 4 MiB all-reduced per step, large enough to dominate a trace
@@ -47,12 +47,12 @@ def psum_step(mesh):
 def test_comm_share_of_a_step_with_an_all_reduce(psum_step, tmp_path):
     fn, args = psum_step
     hlo = fn.lower(*args).compile().as_text()
-    (out, total), run_dir = profiling.trace_step(fn, *args, logdir=str(tmp_path), hlo_text=hlo)
+    (out, total), run_dir = trace.trace_step(fn, *args, logdir=str(tmp_path), hlo_text=hlo)
     # The call's output comes back (the caller keeps training with it).
     assert jnp.allclose(total, W * args[2], rtol=1e-5)
     assert glob.glob(os.path.join(run_dir, "*.xplane.pb"))  # TensorBoard's profile plugin
     assert glob.glob(os.path.join(run_dir, "*.trace.json.gz"))  # Perfetto
-    share = profiling.comm_share(str(tmp_path))  # the log dir: its latest run is read
+    share = trace.comm_share(str(tmp_path))  # the log dir: its latest run is read
     assert share["devices"] == W
     assert 0.0 < share["comm_fraction"] < 1.0, share
     assert set(share["kinds"]) == {"all-reduce"}, share
@@ -61,8 +61,8 @@ def test_comm_share_of_a_step_with_an_all_reduce(psum_step, tmp_path):
     assert 0.0 <= share["rendezvous_wait_fraction"] <= share["comm_fraction"]
     assert share["device_time_us"] > 0
     # Without the HLO the names alone classify the same ops (JAX calls the op psum_invariant).
-    os.remove(os.path.join(run_dir, profiling.HLO_FILE))
-    assert profiling.comm_share(run_dir) == share
+    os.remove(os.path.join(run_dir, trace.HLO_FILE))
+    assert trace.comm_share(run_dir) == share
 
 
 def test_comm_share_is_zero_without_collectives(mesh, tmp_path):
@@ -70,8 +70,8 @@ def test_comm_share_is_zero_without_collectives(mesh, tmp_path):
     x = _put(mesh, jax.random.normal(jax.random.key(1), (W * 128, 512)), P("d"))
     w = _put(mesh, jax.random.normal(jax.random.key(2), (512, 512)), P())
     jax.block_until_ready(fn(x, w))
-    _, run_dir = profiling.trace_step(fn, x, w, logdir=str(tmp_path))
-    share = profiling.comm_share(run_dir)
+    _, run_dir = trace.trace_step(fn, x, w, logdir=str(tmp_path))
+    share = trace.comm_share(run_dir)
     assert share["devices"] == W and share["device_time_us"] > 0
     # Exactly zero, not nearly: no op of this program is a collective.
     assert share["kinds"] == {} and share["comm_fraction"] == 0.0
@@ -80,12 +80,12 @@ def test_comm_share_is_zero_without_collectives(mesh, tmp_path):
 
 def test_trace_json_and_xplane_give_the_same_answer(psum_step, tmp_path):
     fn, args = psum_step
-    _, run_dir = profiling.trace_step(fn, *args, logdir=str(tmp_path / "log"))
+    _, run_dir = trace.trace_step(fn, *args, logdir=str(tmp_path / "log"))
     only_xplane = tmp_path / "xplane"
     only_xplane.mkdir()
     for path in glob.glob(os.path.join(run_dir, "*.xplane.pb")):
         shutil.copy(path, only_xplane)
-    from_json, from_xplane = profiling.comm_share(run_dir), profiling.comm_share(str(only_xplane))
+    from_json, from_xplane = trace.comm_share(run_dir), trace.comm_share(str(only_xplane))
     assert from_json["kinds"].keys() == from_xplane["kinds"].keys()
     for key in ("comm_fraction", "exposed_comm_fraction", "device_time_us"):
         # The JSON rounds timestamps to nanoseconds, as the xplane stores them.
@@ -121,7 +121,7 @@ def test_interval_arithmetic_on_a_known_trace(tmp_path):
         _op(3, "fusion.1", 0, 50, "1"),
         _op(3, "all_gather.2", 50, 10, "1"),
     ])
-    share = profiling.comm_share(run_dir)
+    share = trace.comm_share(run_dir)
     # Device 0: busy [0, 100] = 100, collective 60, of it 20 overlapped, 30 waiting.
     # Device 1: busy 60, collective 10, exposed 10. The loop encloses ops, so it is not compute.
     assert share["devices"] == 2
@@ -147,7 +147,7 @@ def test_gpu_trace_counts_device_planes_only(tmp_path):
          "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
          "args": {"hlo_op": "all-reduce-start.1"}},
     ])
-    share = profiling.comm_share(run_dir)
+    share = trace.comm_share(run_dir)
     assert share["devices"] == 1 and share["device_time_us"] == pytest.approx(125)
     assert share["comm_fraction"] == pytest.approx(50 / 125)
     assert share["exposed_comm_fraction"] == pytest.approx(25 / 125)
@@ -164,14 +164,14 @@ def test_collective_names():
              "collective-permute-done": "collective-permute",
              "ynn_fusion": None, "argmax": None, "cumsum.2": None, "reduce_sum": None,
              "wrapped_reduce": None, "dynamic-update-slice_fusion": None}
-    assert {name: profiling.collective_kind(name) for name in cases} == cases
+    assert {name: hlo_lib.collective_kind(name) for name in cases} == cases
 
 
 def test_collective_bytes_of_compiled_collectives(psum_step, mesh):
     fn, args = psum_step
     nbytes = 4 * GRAD[0] * GRAD[1]
     # Ring all-reduce: each device sends 2 (W-1)/W of the buffer.
-    assert profiling.collective_bytes(fn.lower(*args).compile().as_text()) == {
+    assert hlo_lib.collective_bytes(fn.lower(*args).compile().as_text()) == {
         "all-reduce": 2 * (W - 1) / W * nbytes}
 
     def body(x):  # x: this device's [R, C] shard
@@ -186,7 +186,7 @@ def test_collective_bytes_of_compiled_collectives(psum_step, mesh):
         x).compile().as_text()
     shard = 4 * 64 * 32  # bytes of one device's [R, C]
     frac = (W - 1) / W
-    assert profiling.collective_bytes(hlo) == pytest.approx({
+    assert hlo_lib.collective_bytes(hlo) == pytest.approx({
         "all-gather": frac * W * shard,      # of the gathered buffer
         "reduce-scatter": frac * W * shard,  # of the buffer before scattering
         "all-to-all": frac * shard,
@@ -205,8 +205,8 @@ def test_collective_bytes_reads_mesh_axes_replica_groups():
         "{'axis_1'}, use_global_device_ids=true, to_apply=%add",
     ]
     # Groups of 4 (data) and of 2 (tensor): 2 (W-1)/W x 1 KiB each.
-    assert profiling.collective_bytes("\n".join(lines)) == {
+    assert hlo_lib.collective_bytes("\n".join(lines)) == {
         "all-reduce": 2 * 3 / 4 * 1024 + 2 * 1 / 2 * 1024}
-    rewritten = mx._MESH_GROUPS.sub(mx._listed_groups, lines[1] + lines[2])
+    rewritten = hlo_lib._MESH_GROUPS.sub(hlo_lib._listed_groups, lines[1] + lines[2])
     assert "replica_groups={{0,2,4,6},{1,3,5,7}}" in rewritten
     assert "replica_groups={{0,1},{2,3},{4,5},{6,7}}" in rewritten

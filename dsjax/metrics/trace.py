@@ -32,23 +32,9 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
-from dsjax import metrics as mx
+from dsjax.metrics.hlo import KINDS, collective_kind, hlo_collective_ops
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 HLO_FILE = "hlo.txt"  # compiled HLO text saved beside the trace: exact opcodes for op names
-
-# Name fallbacks, tried in order on a normalised name (lower case, "_" and " " -> "-"):
-# reduce-scatter before all-reduce, because JAX calls it psum_scatter.
-_NAME_PATTERNS = (
-    ("reduce-scatter", re.compile(r"reduce-?scatter|psum-scatter")),
-    ("all-gather", re.compile(r"all-?gather")),
-    ("all-to-all", re.compile(r"all-?to-?all")),
-    ("collective-permute", re.compile(r"collective-permute|ppermute|sendrecv")),
-    ("all-reduce", re.compile(r"all-?reduce|(?:^|[^a-z])p(?:sum|max|min)(?:$|[^a-z])")),
-)
-_HLO_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*.+?\s(?P<op>" + "|".join(KINDS) +
-    r")(?:-start|-done)?\(")
 
 
 def trace_step(fn: Callable, *args: Any, logdir: str, hlo_text: str | None = None,
@@ -143,42 +129,6 @@ def comm_share(trace_dir: str, hlo_text: str | None = None) -> dict[str, Any]:
             "rendezvous_wait_fraction": share(waited),
             "kinds": {k: v / n for k, v in sorted(kinds.items())},
             "device_time_us": busy / n, "devices": len(ops)}
-
-
-def collective_kind(name: str) -> str | None:
-    """The collective kind an op or kernel name denotes, or None for anything else."""
-    norm = name.lower().replace("_", "-").replace(" ", "-")
-    for kind, pattern in _NAME_PATTERNS:
-        if pattern.search(norm):
-            return kind
-    return None
-
-
-def hlo_collective_ops(hlo_text: str) -> dict[str, str]:
-    """{instruction name: collective kind} for every collective (and its -start/-done halves) in
-    compiled HLO text; the profiler names XLA ops by these instruction names."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = _HLO_INSTRUCTION.match(line)
-        if m:
-            out[m["name"]] = m["op"]
-    return out
-
-
-def collective_bytes(hlo_text: str, num_devices: int | None = None) -> dict[str, float]:
-    """Bytes one device sends per call of compiled `hlo_text`, per collective kind, ring model:
-    all-reduce 2(W-1)/W x buffer; all-gather and reduce-scatter (W-1)/W x the full (gathered,
-    pre-scatter) buffer; all-to-all (W-1)/W x buffer; collective-permute the buffer. W is each
-    collective's group size; `num_devices` (default: the module's `num_partitions`, else 1)
-    sizes groups written as `replica_groups={}`. Synchronous (CPU) HLO; see
-    `metrics.hlo_collectives`."""
-    if num_devices is None:
-        m = re.search(r"num_partitions=(\d+)", hlo_text)
-        num_devices = int(m[1]) if m else 1
-    out: dict[str, float] = collections.defaultdict(float)
-    for c in mx.hlo_collectives(hlo_text, num_devices):
-        out[c.op] += c.sent_bytes()
-    return dict(sorted(out.items()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,16 @@
+"""What a run measures and reports: model FLOPs and MFU (flops), the writers (writers),
+collectives in compiled HLO (hlo), the communication share from a profiler trace (trace), and
+memory (memory). docs/observability.md says what each number means."""
+
+from dsjax.metrics.flops import (PEAK_BF16, flops_per_token, matmul_params,
+                                 measured_cpu_matmul_rate, peak_flops_per_device)
+from dsjax.metrics.hlo import Collective, axis_collectives, collective_bytes, hlo_collectives
+from dsjax.metrics.memory import (device_memory_bytes, device_utilisation, memory_reading,
+                                  memory_stats, predicted_bytes)
+from dsjax.metrics.writers import MetricsWriter, format_duration, log, median_of, update_summary
+
+__all__ = ["PEAK_BF16", "Collective", "MetricsWriter", "axis_collectives", "collective_bytes",
+           "device_memory_bytes", "device_utilisation", "flops_per_token", "format_duration",
+           "hlo_collectives", "log", "matmul_params", "measured_cpu_matmul_rate", "median_of",
+           "memory_reading", "memory_stats", "peak_flops_per_device", "predicted_bytes",
+           "update_summary"]

@@ -1,0 +1,75 @@
+"""Device memory: what a compiled program will need (the one formula), what the device has, and
+what its allocator measured; and GPU utilisation."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+
+
+def memory_stats(device: Any) -> dict[str, Any] | None:
+    """The device allocator's statistics (GPU, TPU), or None where it keeps none (CPU)."""
+    return device.memory_stats() if hasattr(device, "memory_stats") else None
+
+
+def predicted_bytes(compiled: Any) -> int:
+    """Per-device bytes a compiled program needs, from `memory_analysis()`: arguments + outputs -
+    donated (aliased) + temporaries (an upper bound of XLA's own buffer-assignment peak, which
+    not every backend fills in)."""
+    a = compiled.memory_analysis()
+    return int(a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes +
+               a.temp_size_in_bytes)
+
+
+def device_memory_bytes(device: Any, override_gb: float = 0.0) -> float:
+    """Per-device memory: `override_gb` if set, else the allocator's `bytes_limit` where the
+    device reports one (GPU, TPU), else infinity (CPU: no limit to fit)."""
+    if override_gb:
+        return override_gb * 2**30
+    stats = memory_stats(device)
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return math.inf
+
+
+def memory_reading(device: Any, compiled: Any = None) -> dict[str, Any]:
+    """{bytes_in_use, peak_bytes, source} for one device: its allocator's `memory_stats()` where
+    it keeps them (GPU, TPU), else the compiled step's `memory_analysis()` per device (temp +
+    arguments + outputs - aliased, i.e. donated; a prediction, so in use = peak), else Nones."""
+    stats = memory_stats(device)
+    if stats and "bytes_in_use" in stats:
+        return {"bytes_in_use": int(stats["bytes_in_use"]),
+                "peak_bytes": int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])),
+                "source": "device memory_stats"}
+    if compiled is not None and compiled.memory_analysis() is not None:
+        total = predicted_bytes(compiled)
+        return {"bytes_in_use": total, "peak_bytes": total,
+                "source": "compiled memory_analysis (temp + arguments + outputs - aliased)"}
+    return {"bytes_in_use": None, "peak_bytes": None, "source": "unavailable"}
+
+
+def device_utilisation(device: Any = None) -> float | None:
+    """NVML's GPU utilisation of `device` (default: the first), as a fraction: the share of its
+    last sample period (1/6 s to 1 s) in which any kernel ran. None, not zero, where there is no
+    GPU or no `pynvml` (package nvidia-ml-py). Not MFU: one small kernel at a time reads 1.0."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "gpu":
+        return None
+    try:
+        import pynvml  # optional: nvidia-ml-py is not a dependency
+    except ImportError:
+        return None
+    index = device.local_hardware_id if device.local_hardware_id is not None else device.id
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if all(v.isdigit() for v in visible) and index < len(visible):
+        # NVML numbers every GPU of the machine; CUDA (and JAX) only the visible ones.
+        index = int(visible[index])
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+    except pynvml.NVMLError:
+        return None
