@@ -69,14 +69,13 @@ def main(argv=None) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
     from dsjax import sharding  # pylint: disable=import-outside-toplevel
-    from dsjax.train import (  # pylint: disable=import-outside-toplevel
-        abstract_batch, abstract_state, build_trainer)
+    from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
     trainer = build_trainer(cfg)
-    state, batch = abstract_state(trainer), abstract_batch(trainer)
+    state, batch = trainer.abstract_state(), trainer.abstract_batch()
     steps = {}
     with sharding.activate(trainer.mesh, trainer.rules):
-        for name, fn in (("warmup", trainer.step_fn), ("compressed", trainer.compressed_step_fn)):
+        for name, fn in (("warmup", trainer.jitted(0)), ("compressed", trainer.jitted(1))):
             hlo = fn.lower(state, batch).compile().as_text()
             steps[name] = mx.axis_collectives(hlo, trainer.mesh, "data")
     sent = {name: sum(c.sent_bytes() for c in ops) for name, ops in steps.items()}

@@ -144,9 +144,7 @@ def measure(side: Side, peak: float, out_dir: str | None) -> dict:
     tokens = cfg.data.global_batch * cfg.data.seq_len
     devices = trainer.mesh.devices.size
     batch = side.batches[side.steps_done % len(side.batches)]
-    fn, _, _ = trainer.step_fn_for(side.state)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        compiled = fn.lower(side.state, batch).compile()  # cached: no new compilation
+    compiled = trainer.program_for(side.state, batch)  # compiled already: no new compilation
     memory = mx.memory_reading(trainer.mesh.devices.flat[0], compiled)
     logdir = os.path.join(out_dir or os.path.join(ROOT, "runs", "compare"), "profile",
                           side.label)

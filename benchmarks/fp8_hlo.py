@@ -34,7 +34,7 @@ MATMULS = 7              # q, k, v, o, gate, up, down
 def expected_counts(trainer) -> tuple[int, int]:
     """(fp8 dots, high-precision dots) the precision policy implies for one step's program."""
     model = trainer.model
-    fp8_names = len(model.fp8_matmuls)
+    fp8_names = len(model.fp8_policy.matmuls) if model.fp8_policy is not None else 0
     fp8_dots = high = 0
     for _, _, use_fp8, pattern in model._segments():  # pylint: disable=protected-access
         n = len(pattern)  # distinct layer bodies in this segment's scan
@@ -58,16 +58,15 @@ def main(argv=None) -> dict:
     ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import fp8, sharding  # pylint: disable=import-outside-toplevel
-    from dsjax.train import (  # pylint: disable=import-outside-toplevel
-        abstract_batch, abstract_state, build_trainer)
+    from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
     cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="none",
                                                              layers="all"),
                               optim=dataclasses.replace(cfg.optim, name="adamw"))
     trainer = build_trainer(cfg)
-    state, batch = abstract_state(trainer), abstract_batch(trainer)
+    state, batch = trainer.abstract_state(), trainer.abstract_batch()
     with sharding.activate(trainer.mesh, trainer.rules):
-        lowered = trainer.step_fn.lower(state, batch)
+        lowered = trainer.jitted(0).lower(state, batch)
     dots = fp8.dot_general_dtypes(lowered.as_text())
     is_fp8 = lambda d: any(t.startswith("f8") for t in d[:2])
     kinds = collections.Counter(" x ".join(d[:2]) + " -> " + d[2] for d in dots)

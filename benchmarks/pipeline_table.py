@@ -51,11 +51,11 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     cfg = _with(cfg, schedule, microbatches, repeats, batch)
     config_lib.validate(cfg)
     trainer = train.build_trainer(cfg)
-    state = train.abstract_state(trainer)
+    state = trainer.abstract_state()
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, state.objective, b)[0]))
     t0 = time.perf_counter()
     with sharding.activate(trainer.mesh, trainer.rules):
-        compiled = grad_fn.lower(state.params, train.abstract_batch(trainer)).compile()
+        compiled = grad_fn.lower(state.params, trainer.abstract_batch()).compile()
     hlo = compiled.as_text()
     return {"schedule": schedule, "microbatches": microbatches,
             "repeats": repeats if schedule == "circular" else 1,

@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
         mem, mem_source = stats.get("peak_bytes_in_use"), "device memory_stats peak (process)"
         if mem is None:
             with sharding.activate(run["trainer"].mesh, run["trainer"].rules):
-                ma = run["trainer"].step_fn.lower(run["state"], run["batch"]).compile() \
+                ma = run["trainer"].jitted(0).lower(run["state"], run["batch"]).compile() \
                     .memory_analysis()
             mem = ma.temp_size_in_bytes + ma.argument_size_in_bytes
             mem_source = "compiled memory_analysis (temp + arguments, per device)"

@@ -6,10 +6,8 @@ tokens; the EOS predictions' NLL is counted in the numerator, so it is, if anyth
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -20,46 +18,12 @@ from dsjax import checkpoint as ckpt
 from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
+from dsjax.data import eval_batches, load_tokenizer
+from dsjax.data.splits import Splits, data_splits
 from dsjax.model.loss import ModelLoss
+from dsjax.train.trainer import build_trainer
 
 BYTE_VOCAB = 256  # ids below this are raw bytes in the byte tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Splits:
-    train: str
-    eval: str
-    tokenizer: str
-
-
-def data_splits(cfg: Config, workdir: str) -> Splits:
-    """The train and held-out split directories for `cfg.data` (builds the stdlib corpus once)."""
-    from dsjax.data import DataError, build_stdlib_corpus
-
-    if cfg.data.source == "stdlib":
-        if cfg.data.tokenizer != "byte":
-            raise DataError("data.tokenizer: the stdlib corpus is byte-tokenized; use 'byte'")
-        cache = cfg.data.path or os.path.join(workdir, "data", "stdlib")
-        if jax.process_count() > 1:
-            # One writer: process 0 builds the cache, the others wait for it and then read it.
-            from jax.experimental import multihost_utils
-            if jax.process_index() == 0:
-                build_stdlib_corpus(cache)
-            multihost_utils.sync_global_devices("dsjax stdlib corpus")
-        train, held_out = build_stdlib_corpus(cache)
-        return Splits(train, held_out, "byte")
-    train, held_out = os.path.join(cfg.data.path, "train"), os.path.join(cfg.data.path, "eval")
-    for split in (train, held_out):
-        if not os.path.isfile(os.path.join(split, "meta.json")):
-            raise DataError(f"data.path: {split} is not a prepared split (no meta.json); run "
-                            f"`python -m dsjax.data.prepare --out {cfg.data.path} ...`")
-    import json
-    with open(os.path.join(train, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
-                        f"tokenizer vocabulary {meta['vocab_size']} ({train}/meta.json)")
-    return Splits(train, held_out, meta["tokenizer"])
 
 
 def _eval_step(model, params, batch):
@@ -70,8 +34,6 @@ def _eval_step(model, params, batch):
 
 def evaluate_params(trainer, params: Any, eval_dir: str, cfg: Config) -> dict[str, float]:
     """Held-out loss (nats/token), perplexity and bits per byte over `data.eval_batches` batches."""
-    from dsjax.data import eval_batches
-
     batches = eval_batches(eval_dir, cfg.data.seq_len, cfg.data.global_batch, cfg.data.eval_batches)
     step = jax.jit(_eval_step, static_argnums=0)
     nll = count = nbytes = 0.0
@@ -127,8 +89,6 @@ def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> li
 def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workdir: str
                         ) -> dict[str, Any]:
     """Evaluates, samples, prints both, and merges the results into summary.json."""
-    from dsjax.data import load_tokenizer
-
     results: dict[str, Any] = evaluate_params(trainer, params, splits.eval, cfg)
     if splits.tokenizer != "byte":
         results["eval_bits_per_byte"] = None  # only defined for the byte tokenizer
@@ -150,10 +110,8 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
 def run(cfg: Config, workdir: str, allow_fallback: bool = False) -> dict[str, Any]:
     """`--mode eval`: restores the latest intact checkpoint in `workdir` (onto this config's
     mesh); a corrupt one is an error unless `allow_fallback` (then the previous one is used)."""
-    from dsjax.train import abstract_state, build_trainer
-
     trainer = build_trainer(cfg)
-    params = ckpt.restore_params(workdir, abstract_state(trainer).params, cfg.model,
+    params = ckpt.restore_params(workdir, trainer.abstract_state().params, cfg.model,
                                  allow_fallback=allow_fallback, log=mx.log)
     splits = data_splits(cfg, workdir)
     return evaluate_and_report(trainer, params, splits, cfg, workdir)

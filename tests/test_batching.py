@@ -1,4 +1,4 @@
-"""Dynamic batch size (dsjax/batching.py): accumulation equals one big batch, the sample cursor
+"""Dynamic batch size (dsjax/batching/): accumulation equals one big batch, the sample cursor
 reads every sample once in order across batch changes, the controller makes the recipe's decisions
 without oscillating, memory predictions are monotone and the chosen micro-batch fits, one
 compilation per shape, and a resume right after a batch change reproduces the run."""
@@ -154,6 +154,18 @@ def test_fp8_delayed_scaling_accumulates_to_the_big_batch_step():
     assert min(np.max(h) for h in hist1) > 0 and _max_rel(hist4, hist1) < 1e-5
     assert _rel(m4["loss"], m1["loss"]) < 1e-5 and _rel(m4["grad_norm"], m1["grad_norm"]) < 1e-5
     assert _max_rel(p4, p1) < 1e-5
+
+
+def test_programs_ask_the_optimizer_which_phase_a_step_runs_in():
+    """The planner and the prefetcher compile the phase a step will really run: 1-bit Adam's
+    exact refresh steps after the freeze run the warmup program, not the compressed one (a
+    `step >= freeze_step` rule would plan and prefetch the wrong program before each refresh)."""
+    trainer = build_trainer(_cfg(**{"optim.name": "onebit_adam", "optim.freeze_step": 3,
+                                    "optim.refresh_every": 4, "train.steps": 20}))
+    phases = [trainer.programs.phase_at(s) for s in range(14)]
+    # Steps 0-2 warmup; after the freeze every 4th step (the 4th, 8th, ...) is exact.
+    assert phases == [0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1], phases
+    assert phases == [int(trainer.tx.uses_compression(s)) for s in range(14)]
 
 
 @pytest.mark.slow

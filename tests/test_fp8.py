@@ -338,12 +338,12 @@ def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import fp8_hlo  # the benchmark's counting is what this test pins
     from dsjax import sharding
-    from dsjax.train import abstract_batch, abstract_state, build_trainer
+    from dsjax.train import build_trainer
 
     trainer = build_trainer(_train_cfg(**overrides))
-    batch = abstract_batch(trainer)
+    batch = trainer.abstract_batch()
     with sharding.activate(trainer.mesh, trainer.rules):
-        text = trainer.step_fn.lower(abstract_state(trainer), batch).as_text()
+        text = trainer.jitted(0).lower(trainer.abstract_state(), batch).as_text()
     dots = fp8.dot_general_dtypes(text)
     fp8_dots = [d for d in dots if d[0].startswith("f8") or d[1].startswith("f8")]
     high = [d for d in dots if d not in fp8_dots]

@@ -316,9 +316,9 @@ def test_expert_parallel_matches_dense_fallback():
 def test_expert_parallel_lowers_to_all_to_all():
     from dsjax import train  # pylint: disable=import-outside-toplevel
     trainer = _trainer()
-    state = train.abstract_state(trainer)
+    state = trainer.abstract_state()
     with __import__("dsjax.sharding").sharding.activate(trainer.mesh, trainer.rules):
-        hlo = trainer.step_fn.lower(state, train.abstract_batch(trainer)).as_text()
+        hlo = trainer.jitted(0).lower(state, trainer.abstract_batch()).as_text()
     assert "all_to_all" in hlo or "all-to-all" in hlo
 
 

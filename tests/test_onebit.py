@@ -689,8 +689,8 @@ def test_trainer_warmup_is_adamw_then_compressed_sends_a_thirtieth():
     # Bytes on the wire, from the compiled programs; 'data' is mesh axis 0.
     with sharding.activate(trainer.mesh, trainer.rules):
         hlo = {name: fn.lower(state, trainer.device_batch(batch)).compile().as_text()
-               for name, fn in (("warmup", trainer.step_fn),
-                                ("compressed", trainer.compressed_step_fn))}
+               for name, fn in (("warmup", trainer.jitted(0)),
+                                ("compressed", trainer.jitted(1)))}
     ops = {k: mx.axis_collectives(v, trainer.mesh, "data") for k, v in hlo.items()}
     sent = {k: sum(c.sent_bytes() for c in v) for k, v in ops.items()}
     grad_bytes = 4 * sum(math.prod(p.sharding.shard_shape(p.shape))

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import FLAT_MESH, ROOT, random_batch
 from dsjax import config as config_lib
 from dsjax import sharding
-from dsjax.train import abstract_batch, abstract_state, build_trainer
+from dsjax.train import build_trainer
 
 TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
@@ -146,8 +146,8 @@ def test_hierarchical_onebit_is_exact_inside_a_host_and_1bit_across_hosts():
     # 1-bit exchange (all-to-all of packed signs) pairs the two hosts; the exact mean
     # (reduce-scatter) stays inside one.
     with sharding.activate(trainer.mesh, trainer.rules):
-        text = trainer.compressed_step_fn.lower(abstract_state(trainer),
-                                                abstract_batch(trainer)).as_text()
+        text = trainer.jitted(1).lower(trainer.abstract_state(),
+                                       trainer.abstract_batch()).as_text()
     to_all, scatter = _replica_groups(text, "all_to_all"), _replica_groups(text, "reduce_scatter")
     assert to_all and all(sorted(i // 4 for i in g) == [0, 1] for g in to_all)
     assert scatter and all(len({i // 4 for i in g}) == 1 and len(g) == 2 for g in scatter)

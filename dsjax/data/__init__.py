@@ -2,16 +2,16 @@
 
 Shards hold a tokenized document stream; packing into rows of `seq_len + 1` tokens happens at read
 time, so one prepared corpus serves every sequence length. Importing this package costs numpy only:
-Grain (which imports JAX) is loaded when a pipeline is first built.
+Grain (which imports JAX) is loaded when a stream is first built. `splits` (which imports JAX and
+the config) says where a run's train and held-out shards are.
 """
 
-
 from dsjax.errors import DataError
-from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
-from dsjax.data.shards import PackedSource, ShardWriter  # noqa: E402
-from dsjax.data.pipeline import (  # noqa: E402
-    SampleStream, eval_batches, make_example, train_dataset, train_iterator)
-from dsjax.data.stdlib_corpus import build_stdlib_corpus  # noqa: E402
+from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from dsjax.data.shards import PackedSource, ShardWriter
+from dsjax.data.stream import (SampleStream, eval_batches, make_example, train_dataset,
+                               train_iterator)
+from dsjax.data.stdlib_corpus import build_stdlib_corpus
 
 
 def __getattr__(name):

@@ -1,0 +1,111 @@
+"""The training state and the module-level pure `train_step`.
+
+The one idea: a step never commits anything non-finite. A non-finite loss or gradient leaves
+params, optimizer state and fp8 state as they were (so nothing non-finite can be checkpointed)
+and reports `finite = False`; the host decides whether to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from dsjax import fp8
+from dsjax.batching import accumulate, scale_updates
+from dsjax.model import moe
+from dsjax.optim import OneBitAdam
+from dsjax.optim import loss_scale as ls
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: ls.LossScale  # float16: dynamic scale; otherwise fixed 1, counts skipped steps
+    fp8_meta: Any  # delayed fp8 scaling state ({} otherwise): never seen by the optimizer
+    objective: Any = struct.field(pytree_node=False)  # ModelLoss, or Pipelined (mesh.pipeline > 1)
+    tx: optax.GradientTransformation | OneBitAdam = struct.field(pytree_node=False)
+    lr_fn: Callable = struct.field(pytree_node=False)
+    fp8_margin: float = struct.field(pytree_node=False, default=0.0)
+    router_bias_speed: float = struct.field(pytree_node=False, default=0.0)  # MoE sigmoid
+                            # routers: aux-loss-free bias step after each step (DeepSeek-V3)
+
+
+def finite_by_group(grads: Any) -> dict[str, jax.Array]:
+    """{"layers/mlp/up/kernel": all finite?} per gradient leaf: what a non-finite report names."""
+    def name(path):
+        return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return {name(path): jnp.all(jnp.isfinite(g))
+            for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+
+
+def nonfinite_groups(metrics: dict[str, Any]) -> str:
+    """The host's one-line account of which parameter groups had non-finite gradients."""
+    bad = [k for k, ok in sorted(metrics.get("grad_finite", {}).items()) if not bool(ok)]
+    if not bad:
+        return "every gradient is finite: the loss itself is not"
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    return f"non-finite gradients in {', '.join(bad[:6])}{more}"
+
+
+def finish_step(state: TrainState, loss: jax.Array, tokens: jax.Array, grad_norm: jax.Array,
+                 new_params: Any, new_opt_state: Any, meta_grads: Any, grad_finite: dict
+                 ) -> tuple[TrainState, dict]:
+    """Applies a step's results unless the loss or gradient is non-finite; the metrics."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_meta = fp8.commit(state.fp8_meta, meta_grads, state.fp8_margin) if state.fp8_meta else {}
+    params, opt_state, fp8_meta = ls.select(finite, (new_params, new_opt_state, new_meta),
+                                            (state.params, state.opt_state, state.fp8_meta))
+    new_state = state.replace(step=state.step + finite.astype(state.step.dtype), params=params,
+                              opt_state=opt_state, fp8_meta=fp8_meta,
+                              loss_scale=ls.update(state.loss_scale, finite))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step),
+               "finite": finite, "tokens": tokens, "loss_scale": state.loss_scale.scale,
+               "skipped_steps": new_state.loss_scale.skipped_steps, "grad_finite": grad_finite}
+    return new_state, metrics
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float = 1.0
+               ) -> tuple[TrainState, dict]:
+    """One optimizer step. A non-finite loss or gradient leaves params, optimizer state and fp8
+    state as they were (so nothing non-finite can be checkpointed), halves a float16 loss scale,
+    and reports `finite = False`; the host decides whether to stop (train.nonfinite).
+    `batch`: [B, S] arrays, or [k, B/k, S]: k micro-batches whose gradients are accumulated
+    (dsjax.batching), the same update as one [B, S] batch. `lr_scale` multiplies the learning
+    rate (bound per batch size by dsjax.batching)."""
+    accumulating = batch["inputs"].ndim == 3
+    count = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+
+    def micro_grads(micro):
+        def scaled_loss(params, fp8_meta):
+            loss, tokens, aux = state.objective.loss_and_aux(params, micro, fp8_meta)
+            if accumulating:  # this micro-batch's share of the whole batch's mean loss
+                share = tokens / count
+                loss = loss * share
+                # Expert loads are counts: they add up; the losses are shares like `loss`.
+                aux = {k: v if k == "moe_load" else v * share for k, v in aux.items()}
+            objective = loss + aux.get("aux_loss", 0.0)
+            return ls.scale_loss(state.loss_scale, objective), (loss, tokens, aux)
+
+        (_, sums), (grads, meta_grads) = jax.value_and_grad(
+            scaled_loss, argnums=(0, 1), has_aux=True)(state.params, state.fp8_meta)
+        return sums, grads, meta_grads
+
+    (loss, tokens, aux), grads, meta_grads = accumulate(micro_grads, batch)
+    grads = ls.unscale_grads(state.loss_scale, grads)
+    grad_norm = optax.tree.norm(grads)
+    updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, scale_updates(updates, lr_scale))
+    if "moe_load" in aux and state.router_bias_speed:  # outside the gradient (DeepSeek-V3)
+        new_params = moe.with_updated_router_bias(new_params, state.params, aux["moe_load"],
+                                                  state.router_bias_speed)
+    new_state, metrics = finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
+                                      meta_grads, finite_by_group(grads))
+    metrics.update(moe.load_metrics(aux))
+    metrics["lr"] = metrics["lr"] * lr_scale
+    return new_state, metrics
