@@ -100,6 +100,28 @@ def incomplete_entries(directory: str) -> list[str]:
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if TMP_SUFFIX in n)
 
 
+def find_steps(directory: str) -> tuple[str, ocp.CheckpointManager]:
+    """(the directory holding the steps, its manager) for a converted checkpoint, a run workdir
+    or its `checkpoints/` dir: the first of `directory`, `directory/checkpoints` with a step."""
+    for candidate in (directory, os.path.join(directory, "checkpoints")):
+        if os.path.isdir(candidate):
+            manager = ocp.CheckpointManager(os.path.abspath(candidate))
+            if manager.latest_step() is not None:
+                return candidate, manager
+    raise CheckpointError(f"no checkpoint found in {directory!r}")
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int
+              ) -> tuple[dict[str, Any] | None, str | None]:
+    """(the `meta` item of `step`, None), or (None, why it is unreadable: "Type: message"), for
+    each caller to report in its own terms (corrupt step, fallback, conversion error)."""
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  # Orbax raises many types
+        return None, f"{type(e).__name__}: {e}"
+    return restored["meta"], None
+
+
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
@@ -255,13 +277,11 @@ class Checkpointer:
         self._unsealed = step
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))
-        except Exception as e:  # pylint: disable=broad-except
+        meta, why = read_meta(self.manager, step)
+        if why is not None:
             raise CheckpointCorrupt(f"checkpoint step {step} in {self.directory}: its metadata "
-                                    f"is unreadable ({type(e).__name__}: {e})") from e
-        return restored["meta"]
+                                    f"is unreadable ({why})")
+        return meta
 
     def restore(self, step: int, params: Any, train: Any, model: ModelConfig
                 ) -> tuple[Any, Any, dict | None]:
@@ -326,23 +346,15 @@ def restore_params(directory: str, params: Any, model: ModelConfig, allow_fallba
     """Loads only the weights of the latest step under `directory` (a run's `checkpoints/` dir,
     a run workdir, or a converted checkpoint), onto the shardings of `params`. A damaged step
     is an error, or with `allow_fallback` skipped (left in place) for the previous one."""
-    for candidate in (directory, os.path.join(directory, "checkpoints")):
-        if os.path.isdir(candidate) and ocp.CheckpointManager(candidate).latest_step() is not None:
-            directory = candidate
-            break
-    else:
-        raise CheckpointError(f"no checkpoint found in {directory!r}")
-    manager = ocp.CheckpointManager(directory)
+    directory, manager = find_steps(directory)
     steps = sorted(manager.all_steps(), reverse=True)
     for i, step in enumerate(steps):
         where = f"checkpoint step {step} in {directory}"
         problem = verify(os.path.join(directory, str(step)))
         if problem is None:
-            try:
-                meta = manager.restore(step, args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore()))["meta"]
-            except Exception as e:  # pylint: disable=broad-except
-                problem = f"its metadata is unreadable ({type(e).__name__}: {e})"
+            meta, why = read_meta(manager, step)
+            if why is not None:
+                problem = f"its metadata is unreadable ({why})"
         if problem is None:
             check_model(meta, model, where)
             try:
