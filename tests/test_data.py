@@ -449,3 +449,64 @@ def test_stdlib_corpus_split_and_cache(tmp_path, capsys):
     build_stdlib_corpus(str(cache), eval_fraction=0.2, max_bytes=1_500_000)
     assert len(split_docs(eval_dir, tok)) > len(ev)
     assert not list(cache.glob(".build-*"))  # the temp build dir is gone
+
+
+def _tree_digest(root) -> dict[str, str]:
+    """{relative path: sha256} of every file under `root` (what must stay byte-identical)."""
+    import hashlib
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _prepared_corpus(tmp_path):
+    rng = np.random.default_rng(11)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(random_text(rng).replace("\n", " ").strip() or "z"
+                                for _ in range(20)))
+    out = tmp_path / "mine"
+    prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.3, split_on_blank_lines=True)
+    return docs, out
+
+
+def test_the_stdlib_corpus_never_replaces_a_prepared_corpus(tmp_path):
+    """data.path pointing at a prepared corpus with data.source='stdlib' (the default) is one
+    DataError naming both fields; every file of the user's corpus stays byte-identical."""
+    from dsjax import config as config_lib
+    from dsjax.data.splits import data_splits
+
+    _, out = _prepared_corpus(tmp_path)
+    before = _tree_digest(out)
+    cfg = config_lib.load(os.path.join(REPO, "configs", "cpu_tiny.py"), {"data.path": str(out)})
+    with pytest.raises(DataError, match=r"^data\.path: .* holds a prepared corpus .*"
+                                        r"data\.source='prepared'"):
+        data_splits(cfg, str(tmp_path / "run"))
+    assert _tree_digest(out) == before and sorted(os.listdir(out)) == ["eval", "train"]
+    # Any other file dsjax did not write is refused the same way, and kept.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"files dsjax did not write \(notes\.txt\)"):
+        build_stdlib_corpus(str(other), max_bytes=200_000)
+    assert os.listdir(other) == ["notes.txt"]
+    # A cache of its own (other settings) it does rebuild.
+    cache = tmp_path / "cache"
+    build_stdlib_corpus(str(cache), max_bytes=200_000)
+    build_stdlib_corpus(str(cache), eval_fraction=0.2, max_bytes=200_000)
+
+
+def test_prepare_refuses_to_overwrite_existing_splits(tmp_path, capsys):
+    docs, out = _prepared_corpus(tmp_path)
+    before = _tree_digest(out)
+    with pytest.raises(DataError, match=r"exist already; nothing was written.*--overwrite"):
+        prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.5)
+    assert prepare_main(["--input", str(docs), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert _tree_digest(out) == before
+    result = prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.5,
+                     split_on_blank_lines=True, overwrite=True)
+    assert _tree_digest(out) != before and result["eval"]["num_docs"] >= 1

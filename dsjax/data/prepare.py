@@ -117,13 +117,20 @@ def _eval_score(text: str, seed: int) -> float:
 
 def prepare(inputs: Sequence[str] | str, fmt: str, tokenizer_spec: str, out_dir: str,
             eval_fraction: float = 0.01, seed: int = 0, jsonl_field: str = "text",
-            split_on_blank_lines: bool = False, shard_tokens: int = 2**24) -> dict:
-    """Writes `out_dir/train` and `out_dir/eval`.
+            split_on_blank_lines: bool = False, shard_tokens: int = 2**24,
+            overwrite: bool = False) -> dict:
+    """Writes `out_dir/train` and `out_dir/eval`; existing splits there are a DataError unless
+    `overwrite` (checked before any input is read).
 
     Returns {"train": meta, "eval": meta, "train_dir": path, "eval_dir": path}.
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    existing = [os.path.join(out_dir, split) for split in ("train", "eval")
+                if os.path.exists(os.path.join(out_dir, split))]
+    if existing and not overwrite:
+        raise DataError(f"--out {out_dir}: {' and '.join(existing)} exist already; nothing was "
+                        f"written. Pass --overwrite to replace them, or choose another --out")
     if isinstance(inputs, str):
         inputs = [inputs]
     files = expand_inputs(inputs)
@@ -165,10 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval_fraction", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0, help="seeds the train/eval assignment")
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace train/ and eval/ if --out holds them already")
     args = parser.parse_args(argv)
     try:
         result = prepare(args.input, args.format, args.tokenizer, args.out, args.eval_fraction,
-                         args.seed, args.jsonl_field, args.split_on_blank_lines, args.shard_tokens)
+                         args.seed, args.jsonl_field, args.split_on_blank_lines, args.shard_tokens,
+                         args.overwrite)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

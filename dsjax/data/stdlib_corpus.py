@@ -7,7 +7,8 @@ library's bytes yet mostly repetitive assertions and deliberately odd inputs (ba
 errors), and dropping them halves the build time; the ~12 MB that remain are far more than a CPU
 run consumes. The build goes to a temp dir that is renamed into place, and each split's meta.json
 records the settings, so an interrupted or differently-configured build is never mistaken for a
-cache hit.
+cache hit. A rebuild replaces only a cache of its own: a directory holding anything else (a
+prepared corpus, a user's files) is refused with a DataError, untouched.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 import zlib
 
 from dsjax.data.shards import META, ShardWriter
+from dsjax.errors import DataError
 from dsjax.data.tokenizers import ByteTokenizer
 
 _SKIP_DIRS = frozenset(
@@ -61,6 +63,34 @@ def _cached(cache_dir: str, settings: dict) -> bool:
     return True
 
 
+def _is_stdlib_split(split_dir: str) -> bool:
+    try:
+        with open(os.path.join(split_dir, META)) as f:
+            return (json.load(f).get("corpus") or {}).get("kind") == "python-stdlib"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_replaceable(cache_dir: str) -> None:
+    """Refuses, before anything is written, a `cache_dir` that holds anything but a stdlib
+    corpus cache: a rebuild replaces `train/` and `eval/`, and only ours may be replaced."""
+    if not os.path.isdir(cache_dir):
+        if os.path.exists(cache_dir):
+            raise DataError(f"data.path: {cache_dir} is a file, not a directory for the stdlib "
+                            f"corpus cache (data.source='stdlib')")
+        return
+    for name in sorted(os.listdir(cache_dir)):
+        path = os.path.join(cache_dir, name)
+        if name.startswith(".build-") or (name in ("train", "eval") and _is_stdlib_split(path)):
+            continue  # an interrupted build of ours, or a cache of ours
+        what = ("a prepared corpus" if name in ("train", "eval") and
+                os.path.isfile(os.path.join(path, META)) else "files dsjax did not write")
+        raise DataError(f"data.path: {cache_dir} holds {what} ({name}), not a stdlib corpus "
+                        f"cache; dsjax does not overwrite it. To train on a prepared corpus set "
+                        f"data.source='prepared'; for the stdlib corpus point data.path at an "
+                        f"empty or new directory")
+
+
 def build_stdlib_corpus(cache_dir: str, eval_fraction: float = 0.05,
                         max_bytes: int | None = None) -> tuple[str, str]:
     """Writes (or reuses) `cache_dir/train` and `cache_dir/eval`; returns their paths.
@@ -75,6 +105,7 @@ def build_stdlib_corpus(cache_dir: str, eval_fraction: float = 0.05,
     train_dir, eval_dir = os.path.join(cache_dir, "train"), os.path.join(cache_dir, "eval")
     if _cached(cache_dir, settings):
         return train_dir, eval_dir
+    check_replaceable(cache_dir)
 
     files = _stdlib_files(root)
     if max_bytes is not None:
