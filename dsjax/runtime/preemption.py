@@ -3,8 +3,10 @@
 The one idea: a signal only sets a flag. The training loop asks `should_stop()` between steps, so
 the step in flight finishes, the loop writes a checkpoint and the process exits 0 (SLURM, Kubernetes
 and spot-instance reclaimers send SIGTERM and wait a grace period). A second signal means "now":
-the process exits at once with 128 + signum. That cannot damage the last complete checkpoint:
-Orbax writes a step under a temporary name and renames it when complete (see checkpoint.py).
+the process exits at once with 128 + signum, even while the main thread waits inside a device call
+(Python runs signal handlers only between bytecodes, so the count is kept by a watcher thread
+woken through `signal.set_wakeup_fd`). That cannot damage the last complete checkpoint: Orbax
+writes a step under a temporary name and renames it when complete (see checkpoint.py).
 
 With several processes the decision must be the same on all of them, at the same step, or the
 next collective hangs. Each process publishes its flag for every step in the `jax.distributed`
@@ -57,11 +59,23 @@ class StopConditions:
         self._previous: dict[int, Any] = {}
         self._client = None
         self._process_id, self._process_count = 0, 1
+        self._pipe: tuple[int, int] | None = None
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> StopConditions:
         if threading.current_thread() is threading.main_thread():  # handlers: main thread only
             for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                # The Python-level handler does nothing: it only replaces the default action
+                # (terminate). The watcher counts the signals, main thread blocked or not.
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: None)
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            self._pipe = (read_fd, write_fd)
+            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            self._watcher = threading.Thread(target=self._watch, args=(read_fd,), daemon=True,
+                                             name="dsjax-signals")
+            self._watcher.start()
         import jax  # local: keeps parse_duration importable before jax is configured
         self._process_id, self._process_count = jax.process_index(), jax.process_count()
         if self._process_count > 1:
@@ -73,9 +87,27 @@ class StopConditions:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(self._pipe[1])  # the watcher's read returns b"": it ends
+            self._watcher.join(timeout=5)
+            os.close(self._pipe[0])
+            self._pipe = None
 
-    def _handle(self, signum: int, frame) -> None:
-        del frame
+    def _watch(self, read_fd: int) -> None:
+        """Runs in its own thread: one byte per delivered signal (its number)."""
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in SIGNALS:
+                    self._handle(signum)
+
+    def _handle(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name = name
