@@ -1,6 +1,7 @@
 """End to end through `launch.py`: the run directory, resume, eval, and the stop conditions."""
 
 import json
+import re
 import os
 import shutil
 
@@ -143,3 +144,20 @@ def test_train_step_with_non_finite_gradient_leaves_state_unchanged():
     for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
     assert jnp.isfinite(m["lr"])
+
+
+def test_a_step_that_cannot_fit_stops_before_allocating(tmp_path):
+    """The compiled first step's predicted bytes per device against the device's memory (here
+    batch.device_memory_gb = 1 KiB, below the tiny model's own state): one line with both
+    figures and what would make it fit, exit 2, and no checkpoint, metrics or state written."""
+    workdir = str(tmp_path / "w")
+    proc = run_launch(workdir, {"batch.device_memory_gb": 2 ** -20})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"dsjax: error: memory: the train step needs [\d.]+ MiB per device "
+                        r"\(state \+ temporaries, from the compiled program\) but a device has "
+                        r"0\.000977 MiB \(batch\.device_memory_gb\); nothing was allocated\. "
+                        r"To fit: remat\.policy=full, .*mesh\.fsdp=True.*", line), line
+    assert float(re.search(r"needs ([\d.]+) MiB", line)[1]) > 0.1  # the state alone is more
+    assert not os.path.exists(os.path.join(workdir, "checkpoints", "0"))
+    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))

@@ -13,7 +13,7 @@ import numpy as np
 from dsjax.batching.controller import Change, Controller
 from dsjax.batching.programs import Programs, plan_micro_batch
 from dsjax.batching.shapes import Shape, host_layout
-from dsjax.metrics.memory import device_memory_bytes, memory_stats
+from dsjax.metrics.memory import device_memory_bytes, format_bytes, memory_stats
 
 
 class Batcher:
@@ -66,8 +66,8 @@ class Batcher:
             shape = Shape(batch, per_replica // micro, self.data)
             if not fits:
                 self.log(f"warning: batch {batch}: even micro-batch 1 is predicted at "
-                         f"{nbytes / 2**30:.2f} GiB, over the budget {self.budget / 2**30:.2f} "
-                         f"GiB (batch.mem_fraction x device memory)")
+                         f"{format_bytes(nbytes)}, over the budget {format_bytes(self.budget)} "
+                         f"(batch.mem_fraction x device memory)")
             elif nbytes is not None:
                 self.log(f"batch {batch}: micro-batch {micro} x {shape.accum_steps} accumulation "
                          f"x {self.data} data-parallel, predicted {nbytes / 2**30:.2f} GiB of a "

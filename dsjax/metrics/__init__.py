@@ -5,12 +5,12 @@ memory (memory). docs/observability.md says what each number means."""
 from dsjax.metrics.flops import (PEAK_BF16, flops_per_token, matmul_params,
                                  measured_cpu_matmul_rate, peak_flops_per_device)
 from dsjax.metrics.hlo import Collective, axis_collectives, collective_bytes, hlo_collectives
-from dsjax.metrics.memory import (device_memory_bytes, device_utilisation, memory_reading,
-                                  memory_stats, predicted_bytes)
+from dsjax.metrics.memory import (device_memory_bytes, device_utilisation, fit_capacity,
+                                  format_bytes, memory_reading, memory_stats, predicted_bytes)
 from dsjax.metrics.writers import MetricsWriter, format_duration, log, median_of, update_summary
 
 __all__ = ["PEAK_BF16", "Collective", "MetricsWriter", "axis_collectives", "collective_bytes",
-           "device_memory_bytes", "device_utilisation", "flops_per_token", "format_duration",
-           "hlo_collectives", "log", "matmul_params", "measured_cpu_matmul_rate", "median_of",
-           "memory_reading", "memory_stats", "peak_flops_per_device", "predicted_bytes",
-           "update_summary"]
+           "device_memory_bytes", "device_utilisation", "fit_capacity", "flops_per_token",
+           "format_bytes", "format_duration", "hlo_collectives", "log", "matmul_params",
+           "measured_cpu_matmul_rate", "median_of", "memory_reading", "memory_stats",
+           "peak_flops_per_device", "predicted_bytes", "update_summary"]

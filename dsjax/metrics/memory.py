@@ -10,6 +10,11 @@ from typing import Any
 import jax
 
 
+def format_bytes(n: float) -> str:
+    """2.31 GiB, or 1.98 MiB below a quarter GiB (so a small figure is not printed as 0.00)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.3g} MiB"
+
+
 def memory_stats(device: Any) -> dict[str, Any] | None:
     """The device allocator's statistics (GPU, TPU), or None where it keeps none (CPU)."""
     return device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -33,6 +38,20 @@ def device_memory_bytes(device: Any, override_gb: float = 0.0) -> float:
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     return math.inf
+
+
+def fit_capacity(device: Any, override_gb: float, local_devices: int) -> tuple[float, str]:
+    """(bytes one device may use, where that figure comes from) for the does-it-fit check:
+    `device_memory_bytes`, or on a device with no limit (CPU) this host's RAM shared by the
+    `local_devices` (simulated) devices of this process."""
+    limit = device_memory_bytes(device, override_gb)
+    if override_gb:
+        return limit, "batch.device_memory_gb"
+    if not math.isinf(limit):
+        return limit, f"{device.device_kind} allocator limit"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / local_devices, (f"host RAM {ram / 2**30:.1f} GiB shared by {local_devices} "
+                                 f"devices")
 
 
 def memory_reading(device: Any, compiled: Any = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from dsjax.runtime import xla_flags
 from dsjax.runtime.preemption import StopConditions
 from dsjax.train import resume as resume_lib
 from dsjax.train.observer import Observer
-from dsjax.train.trainer import build_trainer
+from dsjax.train.trainer import build_trainer, check_fits
 
 
 def moe_record(m: dict[str, Any]) -> dict[str, Any]:
@@ -86,8 +86,12 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
 
     checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
                                      cfg.checkpoint.async_save, log=mx.log)
-    state, start, data_state = resume_lib.resume(checkpointer, trainer.init(), trainer.mesh, cfg.model,
-                                      allow_fallback, mx.log)
+    # Before anything is allocated: the first step's program (compiled once, used by the run)
+    # must fit in device memory.
+    first = checkpointer.usable_step(allow_fallback) or 0
+    check_fits(trainer, batcher.plan(batcher.controller.size), trainer.phase_at(first))
+    state, start, data_state = resume_lib.resume(checkpointer, trainer.init(), trainer.mesh,
+                                                 cfg.model, allow_fallback, mx.log)
     if data_state is not None:
         batcher.set_state(data_state)  # the cursor, and the batch-size controller
     if start is None and cfg.checkpoint.init_from:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from dsjax import batching, fp8, pipeline, remat_plan, sharding
 from dsjax import metrics as mx
 from dsjax.config import Config
+from dsjax.errors import ConfigError
 from dsjax.model import ModelLoss, Transformer, count_params
 from dsjax.model.build import make_model
 from dsjax.model.loss import BATCH_KEYS
@@ -126,6 +127,22 @@ class Trainer:
         """One global batch (data.global_batch rows, no accumulation), abstract, for lowering."""
         return batching.abstract_batch(self.batch_shardings, batching.Shape(
             self.cfg.data.global_batch, 1, self.mesh.shape["data"]), self.cfg.data.seq_len)
+
+
+def check_fits(trainer: Trainer, shape: batching.Shape, phase: int) -> None:
+    """Stops, before any state is allocated, a run whose step cannot fit: the compiled step's
+    predicted bytes per device (state + temporaries, `memory_analysis()`; the program is the
+    one the run will use, compiled once) against the device's memory (CPU: host RAM)."""
+    need = trainer.programs.predict(shape, phase)
+    have, source = mx.fit_capacity(trainer.mesh.local_devices[0],
+                                   trainer.cfg.batch.device_memory_gb,
+                                   len(trainer.mesh.local_devices))
+    if need > have:
+        raise ConfigError(
+            f"memory: the train step needs {mx.format_bytes(need)} per device (state + "
+            f"temporaries, from the compiled program) but a device has {mx.format_bytes(have)} "
+            f"({source}); nothing was allocated. To fit: remat.policy=full, a smaller "
+            f"batch.micro_batch, mesh.fsdp=True, or a larger mesh (mesh.data/tensor/pipeline)")
 
 
 def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
