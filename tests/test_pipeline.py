@@ -16,6 +16,7 @@ from dsjax import config as config_lib
 from dsjax import fp8, pipeline, sharding, train
 from dsjax.config import ConfigError
 from dsjax.model.loss import ModelLoss, loss_fn
+from dsjax.pipeline import gpipe
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import pipeline_table  # noqa: E402  pylint: disable=wrong-import-position
@@ -197,7 +198,7 @@ def test_checkpoint_written_with_pp2_evaluates_with_pp1(tmp_path):
 
 @pytest.mark.parametrize("stages, repeats", [(2, 2), (4, 2), (2, 3), (3, 5), (4, 8)])
 def test_interleave_tables_move_every_chunk_to_its_circular_slot(stages, repeats):
-    send, recv = pipeline._interleave_tables(stages, repeats)
+    send, recv = gpipe.interleave_tables(stages, repeats)
     # Stage s holds chunks s*R + j contiguously; pad index R means "nothing".
     local = [list(range(s * repeats, (s + 1) * repeats)) + [-1] for s in range(stages)]
     sent = [[[local[s][j] for j in send[s, d]] for d in range(stages)] for s in range(stages)]

@@ -1,0 +1,252 @@
+"""The 1F1B schedule (PipeDream-Flush): forwards and backwards interleaved in one `lax.scan`,
+gradients by hand (per-microbatch `jax.vjp`), wrapped in a `jax.custom_vjp` so the caller
+differentiates it like any loss. Activation memory is flat in the number of microbatches. See
+docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dsjax import fp8
+from dsjax.model.loss import BATCH_KEYS
+from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, mtp_terms,
+                                   run_chunk, split_params, stage0_input, stage_specs, ticks)
+
+
+def one_f_one_b_loss(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
+                     count: jax.Array, mtp_count: jax.Array
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(mean NLL, the model's aux terms) whose gradient (w.r.t. params and, for delayed fp8, the
+    amax observations of fp8_meta) the schedule computes itself: the NLL carries the gradient of
+    the objective NLL + aux_loss (see `Pipelined.loss_and_aux`)."""
+
+    @jax.custom_vjp
+    def objective(params, meta):
+        return _one_f_one_b(pipe, params, meta, micro, count, mtp_count)[0]
+
+    def fwd(params, meta):
+        out, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count, mtp_count)
+        return out, (grads, meta_grads)
+
+    def bwd(res, ct):
+        grads, meta_grads = res
+        # Only the objective's cotangent: the NLL, balance and load values carry no gradient.
+        # The observed amaxes are not scaled by the loss cotangent (as in fp8's own VJP).
+        return jax.tree.map(lambda g: g * ct[0], grads), meta_grads
+
+    objective.defvjp(fwd, bwd)
+    value, (nll, balance, load_LE, mtp) = objective(params, meta)
+    return (lax.stop_gradient(nll) + (value - lax.stop_gradient(value)),
+            aux_terms(pipe, *lax.stop_gradient((balance, load_LE, mtp)), mtp_count))
+
+
+def _zeros(shapes: Any, typed: bool) -> Any:
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return lax.pcast(zeros, STAGE, to="varying") if typed and jax.tree.leaves(zeros) else zeros
+
+
+def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
+                 count: jax.Array, mtp_count: jax.Array) -> tuple[Any, Any, Any]:
+    """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense; MTP sums,
+    `mtp_terms`)), the objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B
+    schedule. The objective is the mean NLL plus, for MoE models, alpha x the balance terms
+    summed over layers and averaged over microbatches, plus mtp_loss_weight x the mean of the
+    MTP modules' losses (`Pipelined.loss_and_aux`). `mtp_count`: each module's weight sum [n]."""
+    S, M = pipe.stages, pipe.microbatches
+    T, K = ticks("1f1b", S, M), 2 * S - 1  # ticks; stash slots (>= microbatches in flight)
+    model, chunk_model = pipe.model, pipe.chunk_model()
+    moe = model.cfg.is_moe
+    # MoE stages run in every tick, idle or not, instead of under a `lax.cond` that only some
+    # stages take: collectives inside such a branch (the experts' all-to-all over `data`, GSPMD's
+    # resharding of experts) deadlock XLA:CPU, whose collective-permute rendezvous waits for
+    # every device, or fail XLA's SPMD partitioner. The bubble is then 2(S-1) ticks, not S-1.
+    branchless = moe
+    n_mtp = model.cfg.num_mtp_layers
+    chunks, top = split_params(params, meta, pipe.stack)
+    has_meta = fp8.META_COLLECTION in chunks
+    typed = pipe.typed
+    inv_count = 1.0 / jnp.maximum(count, 1.0)
+    inv_mtp = 1.0 / jnp.maximum(mtp_count, 1.0)
+
+    # Block: manual over `pipeline`. chunks [L/S, ...], top and micro [M, B/M, S] replicated
+    # -> loss (psummed), layer grads [L/S, ...] and meta observations, top grads (psummed);
+    # MoE: the balance sum (psummed) and this stage's loads [L/S, E].
+    def body(chunks, top, micro, inv_count, inv_mtp):
+        stage_vars = chunks  # [Lc, ...]
+        if typed:
+            # Varying: each stage's vjp then returns its own gradient of the replicated params
+            # instead of one all-reduced inside the loop (DESIGN invariant 3).
+            top = lax.pcast(top, STAGE, to="varying")
+        s = lax.axis_index(STAGE)
+        first, last = s == 0, s == S - 1
+        pos, seg = micro["positions"], micro["segment_ids"]
+
+        def stage(variables, x_BSD, m):  # (y, MoE stats or None)
+            return run_chunk(chunk_model, variables, x_BSD, pos[m], seg[m])
+
+        def embed(emb, m):  # `emb`: the embedding, and the dense prefix's "layers" if any
+            sub = emb if isinstance(emb, dict) else {"embedding": emb}
+            return stage0_input(pipe, sub, micro["inputs"][m], pos[m], seg[m])
+
+        # What stage 0 differentiates before the stages: the embedding and the dense prefix.
+        def front(top):
+            return ({k: top[k] for k in ("embedding", "layers")} if pipe.prefix
+                    else top["embedding"])
+
+        def head(top, y_BSD, m):
+            """(this microbatch's share of the objective, (its NLL share, MTP sums))."""
+            nll = head_nll(model, top, y_BSD, micro["targets"][m],
+                            micro["weights"][m]) * inv_count
+            mtp = mtp_terms(pipe, top, y_BSD, {k: micro[k][m] for k in BATCH_KEYS})
+            value = nll
+            if mtp:
+                value += model.cfg.mtp_loss_weight * jnp.mean(mtp["nll"] * inv_mtp)
+            if "balance" in mtp:
+                value += model.cfg.aux_loss_alpha * jnp.sum(mtp["balance"]) / M
+            return value, (nll, mtp)
+
+        x_shape = jax.eval_shape(embed, front(top), 0)
+        grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
+        out_shapes = jax.eval_shape(lambda: stage(stage_vars, _zeros(x_shape, typed), 0))
+        # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term
+        # (the aux loss averages microbatches), none for the loads (counts, no gradient).
+        stats_ct = (None if not moe else
+                    {"balance": jnp.full(out_shapes[1]["balance"].shape,
+                                         model.cfg.aux_loss_alpha / M, jnp.float32),
+                     "load": jnp.zeros(out_shapes[1]["load"].shape, jnp.float32)})
+        if typed and moe:
+            stats_ct = lax.pcast(stats_ct, STAGE, to="varying")
+
+        def tick(carry, t):
+            fwd_BSD, bwd_BSD, stash_KBSD, acc, loss, stats_acc, mtp_acc = carry
+            # Forward slot: microbatch t - s.
+            mf = t - s
+            on_f = (mf >= 0) & (mf < M)
+            mf = jnp.clip(mf, 0, M - 1)
+            if pipe.prefix:  # dense blocks: only stage 0 runs them
+                in_BSD = lax.cond(first, lambda: embed(front(top), mf), lambda: fwd_BSD)
+            else:
+                in_BSD = jnp.where(first, embed(front(top), mf), fwd_BSD)
+            if branchless:  # an idle slot runs on filler; its stats count for nothing
+                y_BSD, stats = stage(stage_vars, in_BSD, mf)
+                stats = jax.tree.map(lambda a: jnp.where(on_f, a, 0.0), stats)
+            else:
+                y_BSD, stats = lax.cond(on_f, lambda: stage(stage_vars, in_BSD, mf),
+                                        lambda: _zeros(out_shapes, typed))
+            stats_acc = jax.tree.map(jnp.add, stats_acc, stats)  # zeros when idle
+            slot = lax.dynamic_index_in_dim(stash_KBSD, mf % K, 0, keepdims=False)
+            stash_KBSD = lax.dynamic_update_index_in_dim(
+                stash_KBSD, jnp.where(on_f, in_BSD, slot), mf % K, 0)
+
+            # The last stage turns its output into the loss and the loss gradient at once.
+            def loss_and_grad(scale=1.0):
+                value, vjp, aux = jax.vjp(lambda top, y: head(top, y, mf), top, y_BSD,
+                                          has_aux=True)
+                d_top, dy = vjp(jnp.ones_like(value) * scale)
+                return aux, d_top, dy
+            if branchless and n_mtp:  # MoE blocks in the MTP modules: no branch (see above)
+                use = (on_f & last).astype(jnp.float32)
+                (nll, mtp), d_top_head, dy_BSD = jax.tree.map(
+                    lambda a: jnp.where(use > 0, a, 0.0), loss_and_grad(use))
+            else:
+                (nll, mtp), d_top_head, dy_BSD = lax.cond(
+                    on_f & last, loss_and_grad,
+                    lambda: _zeros(jax.eval_shape(loss_and_grad), typed))
+            mtp_acc = jax.tree.map(jnp.add, mtp_acc, mtp)
+
+            # Backward slot: microbatch t - 2(S-1) + s, its output gradient from stage s+1 (on
+            # the last stage: the one just computed). Recompute the stage forward, then its vjp.
+            mb = t - 2 * (S - 1) + s
+            on_b = (mb >= 0) & (mb < M)
+            mb = jnp.clip(mb, 0, M - 1)
+            g_BSD = jnp.where(last, dy_BSD, bwd_BSD)
+            x_BSD = lax.dynamic_index_in_dim(stash_KBSD, mb % K, 0, keepdims=False)
+
+            def stage_grad(scale=1.0):
+                _, vjp = jax.vjp(lambda v, x: stage(v, x, mb), stage_vars, x_BSD)
+                return vjp(jax.tree.map(lambda c: c * scale, (g_BSD, stats_ct)))
+            if branchless:  # an idle slot's zero cotangents give zero gradients
+                d_vars, dx_BSD = stage_grad(on_b.astype(jnp.float32))
+            else:
+                d_vars, dx_BSD = lax.cond(on_b, stage_grad,
+                                          lambda: _zeros(jax.eval_shape(stage_grad), typed))
+
+            def embed_grad():
+                _, vjp = jax.vjp(lambda e: embed(e, mb), front(top))
+                return vjp(dx_BSD)[0]
+            d_front = lax.cond(on_b & first, embed_grad,
+                               lambda: _zeros(jax.eval_shape(embed_grad), typed))
+
+            d_stage, d_top = acc
+            d_top = jax.tree.map(jnp.add, d_top, d_top_head)
+            if pipe.prefix:
+                d_top = {**d_top, **jax.tree.map(jnp.add, front(d_top), d_front)}
+            else:
+                d_top = {**d_top, "embedding": d_top["embedding"] + d_front}
+            new_stage = {"params": jax.tree.map(jnp.add, d_stage["params"], d_vars["params"])}
+            if has_meta:  # amax observations combine by maximum, gradients add
+                new_stage[fp8.META_COLLECTION] = fp8.combine(d_stage[fp8.META_COLLECTION],
+                                                             d_vars[fp8.META_COLLECTION])
+            if jax.default_backend() == "cpu":
+                # The transfers start after everything else in the tick (stage 0's embedding
+                # backward is its last collective; one output of its lax.cond stands for all
+                # of them); see `_after`. Not on GPUs: each device issues its collectives in
+                # the program's order there, and the tie would only delay the forward send.
+                front_done = jnp.ravel(jax.tree.leaves(d_front)[0])[0]
+                y_BSD, dx_BSD = _after(y_BSD, dx_BSD, front_done), _after(dx_BSD, front_done)
+            carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
+                     lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
+                     stash_KBSD, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
+            return carry, None
+
+        zero_x = _zeros(x_shape, typed)
+        init = (zero_x, zero_x, _zeros(jax.ShapeDtypeStruct((K, *x_shape.shape), x_shape.dtype),
+                                       typed),
+                _zeros(grad_shapes, typed), _zeros(jax.ShapeDtypeStruct((), jnp.float32), typed),
+                _zeros(out_shapes[1], typed),
+                _zeros(jax.eval_shape(lambda: head(top, zero_x, 0)[1][1]), typed))
+        (_, _, _, (d_stage, d_top), loss, stats, mtp), _ = lax.scan(tick, init, jnp.arange(T))
+        loss = lax.psum(loss, STAGE)
+        mtp = lax.psum(mtp, STAGE) if mtp else mtp  # the last stage's sums
+        objective = loss
+        if mtp:
+            objective += model.cfg.mtp_loss_weight * jnp.mean(mtp["nll"] * inv_mtp)
+        if not moe:
+            return (objective, loss, None, None, mtp), d_stage, lax.psum(d_top, STAGE)
+        balance = lax.psum(jnp.sum(stats["balance"]), STAGE)
+        objective += model.cfg.aux_loss_alpha * (balance + jnp.sum(mtp.get("balance", 0.0))) / M
+        return (objective, loss, balance, stats["load"], mtp), d_stage, lax.psum(d_top, STAGE)
+
+    chunk_specs = stage_specs(chunks)
+    values, d_stack, d_top = jax.shard_map(
+        body, in_specs=(chunk_specs, P(), P(), P(), P()),
+        out_specs=((P(), P(), P(), P(STAGE) if moe else None, P()), chunk_specs, P()),
+        axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count, inv_mtp)
+    objective, nll, balance, load_LE, mtp = values
+    grads = {**d_top, pipe.stack: d_stack["params"]}
+    meta_grads = {pipe.stack: d_stack[fp8.META_COLLECTION]} if has_meta else {}
+    return (objective, (nll, balance, load_LE, mtp)), grads, meta_grads
+
+
+def _after(x: jax.Array, *deps: jax.Array) -> jax.Array:
+    """`x` + 0 * each of `deps`: the same values, computed only once `deps` are.
+
+    Each dep is an array of x's shape and sharding (elementwise: no communication) or a scalar.
+    XLA:CPU runs independent operations of a program concurrently on a small thread pool, and a
+    collective holds its thread until every device has arrived. Two collectives that are ready
+    at once (the forward's ppermute, say, and an all-reduce in the backward's layer scan) can
+    then start in different orders on two devices of one group and deadlock: an abort after
+    XLA's 40 s rendezvous timeout, rare for some programs and every time for others. A data
+    dependency orders them. (`lax.optimization_barrier` would say it better, but XLA:CPU drops
+    it before scheduling.) A float times zero is not folded away; a NaN in `deps` reaches `x`,
+    which happens only when the step is non-finite anyway.
+    """
+    for d in deps:
+        x = x + (0.0 * d).astype(x.dtype)
+    return x

@@ -1,0 +1,176 @@
+"""What every pipeline schedule shares: the model seen as stages, the schedules' tick arithmetic,
+and the pieces each stage runs (its params, the embedding, the head, the MTP modules).
+
+The one idea: the decoder's layer stack is cut into contiguous chunks, one (or, circular, R) per
+stage, each run by the decoder's own `run_layers`; the embedding, the head and the MTP modules
+are replicated over the stages. See docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dsjax import fp8, sharding
+from dsjax.model.decoder import Transformer, embed_tokens, output_logits
+from dsjax.model.layers import RMSNorm
+from dsjax.model.loss import weighted_cross_entropy
+
+STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
+# The MTP modules' params: replicated over the stages, run with the head (`mtp_terms`).
+MTP_KEYS = ("mtp_enorm", "mtp_hnorm", "mtp_norm", "mtp_eh_proj", "mtp_layers")
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1,
+                    moe: bool = False) -> float:
+    """The analytic idle share of a stage's time (0 without pipelining). `moe`: 1f1b cannot skip
+    idle ticks of MoE stages (see `one_f_one_b._one_f_one_b`), so they cost 2(S-1) ticks, not
+    S-1."""
+    S, M = stages, microbatches
+    if schedule == "1f1b" and moe:
+        return 2 * (S - 1) / (M + 2 * (S - 1))
+    R = repeats if schedule == "circular" else 1
+    return (S - 1) / (R * M + S - 1)
+
+
+def ticks(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Clock ticks (iterations of the schedule's scan)."""
+    S, M = stages, microbatches
+    if schedule == "1f1b":
+        return M + 2 * (S - 1)
+    return (repeats if schedule == "circular" else 1) * M + S - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedModel:
+    """A `Transformer` cut into pipeline stages: what every schedule reads (`Pipelined` adds the
+    loss). Chunk c of the pipelined stack holds its layers [c*Lc, (c+1)*Lc)."""
+    model: Transformer
+    stages: int
+    schedule: str = "gpipe"
+    microbatches: int = 1
+    repeats: int = 1
+    typed: bool = True  # shard_map check_vma; False for fp8 (see dsjax/train.py `onebit_step`)
+                        # and expert-parallel MoE (see `dsjax.pipeline.make`)
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * (self.repeats if self.schedule == "circular" else 1)
+
+    @property
+    def prefix(self) -> int:
+        """Leading layers that run before the stages, on stage 0: a MoE model's dense blocks
+        (`first_k_dense_replace`); 0 for a dense model."""
+        cfg = self.model.cfg
+        return cfg.first_k_dense_replace if cfg.is_moe else 0
+
+    def chunk_model(self) -> Transformer:
+        """The decoder restricted to one chunk of the pipelined layers (every chunk makes the
+        same choices; the dense prefix and MTP are not part of it)."""
+        m, k = self.model, self.prefix
+        n = (m.cfg.num_layers - k) // self.chunks
+        return m.clone(parent=None, cfg=dataclasses.replace(m.cfg, num_layers=n,
+                                                            first_k_dense_replace=0,
+                                                            num_mtp_layers=0),
+                       layer_policies=tuple(m.layer_policies)[k:k + n],
+                       fp8_layers=tuple(m.fp8_layers)[k:k + n])
+
+    @property
+    def stack(self) -> str:
+        """The params key of the pipelined layer stack: a MoE model's MoE blocks (its dense
+        prefix, params "layers", runs on stage 0 before them, see `stage0_input`), else every
+        block."""
+        return "moe_layers" if self.model.cfg.is_moe else "layers"
+
+
+def aux_terms(pipe: StagedModel, balance: jax.Array | None, load_LE: jax.Array | None,
+              mtp: dict[str, jax.Array], mtp_count: jax.Array) -> dict[str, jax.Array]:
+    """The model's "aux" terms, as the unpipelined model sows them, from the stages' balance
+    terms summed over layers and microbatches, their per-layer loads [L, E] (None, None for a
+    dense model) and the MTP head's sums (`mtp_terms`, summed over microbatches; {} without
+    MTP). MTP blocks' loads come after the layers', as in the unpipelined model."""
+    cfg = pipe.model.cfg
+    aux: dict[str, jax.Array] = {}
+    aux_loss = jnp.zeros((), jnp.float32)
+    if balance is not None:
+        if "balance" in mtp:
+            balance = balance + jnp.sum(mtp["balance"])
+            load_LE = jnp.concatenate([load_LE, mtp["load"]])
+        aux_loss += cfg.aux_loss_alpha * balance / pipe.microbatches
+        aux["moe_load"] = load_LE
+    if mtp:
+        aux["mtp_loss"] = mtp["nll"] / jnp.maximum(mtp_count, 1.0)
+        aux_loss += cfg.mtp_loss_weight * jnp.mean(aux["mtp_loss"])
+    if aux:
+        aux["aux_loss"] = aux_loss
+    return aux
+
+
+def split_params(params: Any, meta: Any, name: str) -> tuple[Any, Any]:
+    """(layer variables {"params", maybe "fp8_meta"} of stack `name`, leading "layers" axis;
+    the replicated top-level params)."""
+    stack = {"params": params[name]}
+    if meta:
+        stack[fp8.META_COLLECTION] = meta[name]
+    return stack, {k: v for k, v in params.items() if k != name}
+
+
+def run_chunk(chunk_model: Transformer, variables: Any, x_BSD: jax.Array, positions_BS,
+              segment_ids_BS) -> tuple[jax.Array, Any]:
+    """One chunk's layers: (y [B, S, D], MoE stats {"load": [Lc, E], "balance": [Lc]}, or None
+    for a dense model)."""
+    moe = chunk_model.cfg.is_moe
+    y_BSD, stats = chunk_model.run_layers(x_BSD, variables, positions_BS, segment_ids_BS,
+                                          moe=moe)
+    if not moe:
+        return y_BSD, None
+    return y_BSD, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
+
+
+def stage_specs(tree: Any) -> Any:
+    """The layer stack's leading axis over the stages: stage s holds layers [s*L/S, (s+1)*L/S)."""
+    return jax.tree.map(lambda _: P(STAGE), tree)
+
+
+def stage0_input(pipe: StagedModel, top: Any, tokens_BS: jax.Array, positions_BS: jax.Array,
+                 segment_ids_BS: jax.Array) -> jax.Array:
+    """Stage 0's input: the embedding, then a MoE model's dense prefix blocks (whose params,
+    "layers", are replicated over the stages like the embedding). [B, S] -> [B, S, D]."""
+    model = pipe.model
+    x_BSD = embed_tokens(top["embedding"], tokens_BS, model.dtype)
+    if not pipe.prefix:
+        return x_BSD
+    x_BSD, _ = model.run_layers(x_BSD, {"params": top["layers"]}, positions_BS, segment_ids_BS,
+                                0, pipe.prefix)
+    return x_BSD
+
+
+def mtp_terms(pipe: StagedModel, top: Any, x_BSD: jax.Array, mb: dict[str, jax.Array],
+              rows_in: int = 1) -> dict[str, jax.Array]:
+    """The MTP modules on final-stage activations x [B, S, D] (before final_norm) of rows `mb`
+    (`BATCH_KEYS` arrays [B, S]) that hold `rows_in` microbatches: {"nll": summed weighted NLL
+    per module [n]; MoE models also "balance" [n] (each module's balance term, summed over the
+    microbatches) and "load" [n, E]}. {} without MTP."""
+    model = pipe.model
+    if not model.cfg.num_mtp_layers:
+        return {}
+    sums, _, stats = model.mtp_sums({k: top[k] for k in MTP_KEYS}, x_BSD, top["embedding"],
+                                    top["lm_head"], mb["inputs"], mb["positions"],
+                                    mb["segment_ids"], mb["targets"], mb["weights"])
+    out = {"nll": sums}
+    if stats:  # per module a mean over rows: x rows_in = the sum of the microbatches' means
+        out["balance"] = jnp.concatenate([s["balance"] for s in stats]) * rows_in
+        out["load"] = jnp.concatenate([s["load"] for s in stats])
+    return out
+
+
+def head_nll(model: Transformer, top: Any, x_BSD: jax.Array, targets_BS: jax.Array,
+             weights_BS: jax.Array) -> jax.Array:
+    """Final norm, output head and summed weighted NLL of final-stage activations."""
+    x_BSD = RMSNorm(model.cfg.norm_eps, parent=None).apply({"params": top["final_norm"]}, x_BSD)
+    logits_BSV = output_logits(x_BSD, top["lm_head"], model.dtype)
+    return weighted_cross_entropy(logits_BSV, targets_BS, weights_BS)[0]
