@@ -23,8 +23,8 @@ from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.checkpoint import Checkpointer
 from dsjax.train import build_trainer
-from dsjax.optim.onebit import (OneBitAdam, compressed_allreduce, onebit_adam, pad_multiple,
-                                plan_buckets)
+from dsjax.optim.compressed_allreduce import compressed_allreduce, pad_multiple, plan_buckets
+from dsjax.optim.onebit import OneBitAdam, onebit_adam
 
 W = 8
 

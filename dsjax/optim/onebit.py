@@ -1,256 +1,32 @@
 """1-bit Adam (Tang et al. 2021, arXiv 2102.02888) as DeepSpeed implements it, for `jax.shard_map`.
 
-The one idea: after `freeze_step` exact Adam steps the second moment `v` has stabilised and is
-frozen (paper §3), which makes Adam's update linear in the momentum; so each data-parallel worker
-folds its *local* gradient into the momentum and the momentum, not the gradient, is averaged with
-a 1-bit, error-compensated all-reduce (paper §4, Algorithm 1). Only signs (bit-packed) and one
-float32 scale per worker and bucket cross the wire: about 1/32 of a float32 all-reduce.
-
-Two update functions, two compiled steps: `OneBitAdam.warmup_update` (exact `pmean` of the
-gradients, exact Adam) and `OneBitAdam.compressed_update` (frozen `v`, compressed momentum). The
-host picks one per step with `OneBitAdam.uses_compression(step)`; nothing carries both branches.
-Both, and `init`, run *inside* a `jax.shard_map` that is manual over `axis_name` (and `fast_axis`)
-and may be manual over other axes too (then params and buckets are this device's shards), with
-per-worker, unreduced gradients. Shapes inside are local: W = size of `axis_name`, L = size of
-`fast_axis` (1 without one), n_b = bucket b's padded length.
-
-State layout (`OneBitAdamState`), global view; `state_specs(param_specs)` gives the specs:
-- `count`: int32 [], replicated. Optimizer steps taken, warmup and compressed together.
-- `mu`, `nu`: float32 pytrees shaped and sharded like the params, replicated over the data axes
-  (every worker holds the same values).
-- `worker_error[g][b]`, `server_error[g][b]`: per-worker float32 buffers of bucket b of group g,
-  where a group holds the leaves split over the same non-data mesh axes A_g ("replicated",
-  "tensor", ...). Local [1, n_b / L] and [1, n_b / (L*W)]; spec P(data axes, A_g), so global
-  [W*L, |A_g| * n_b / L] and [W*L, |A_g| * n_b / (L*W)]: ordinary sharded arrays that
-  checkpoint like any other. They are only meaningful on the same mesh and bucket plan;
-  restoring onto another data size should zero them (DeepSpeed always resets them on load and
-  reports no loss of convergence).
-
-DeepSpeed fidelity (deepspeed/runtime/fp16/onebit/adam.py, runtime/comm/nccl.py):
-- DeepSpeed's `OnebitAdam` accepts `bias_correction` but its step never applies it, in warmup or
-  after; `bias_correction=False` (the default) reproduces that. With `True` the warmup is
-  `optax.adamw`'s arithmetic op for op (equal to a few ulps: XLA picks fused multiply-adds per
-  program), and the compressed phase corrects `m` with the current step and the frozen `v` with
-  `freeze_step`.
-- DeepSpeed spends its first `step()` call on allocating buffers (the step counts but updates
-  nothing), so its `freeze_step=F` makes F-1 exact updates; here every step updates, so F.
-- DeepSpeed keeps one error buffer and one scale per tensor; here tensors are grouped into
-  buckets of `bucket_bytes` (one collective pair per bucket). `bucket_bytes=0` gives one bucket
-  per tensor, i.e. DeepSpeed's per-tensor scales. A bucket's scale is shared by its tensors, so
-  a small tensor of large momentum next to a big quiet one is coarsely represented; the error
-  feedback makes up for it over steps.
-- DeepSpeed's optional `exp_avg_mask` (for momenta that are exactly zero forever) is not here.
-  Instead, coordinates whose frozen `v` is exactly 0 (no gradient ever reached them before the
-  freeze: e.g. embedding rows of tokens not seen yet) get no Adam update in the compressed
-  phase. Their 1-bit estimate is +-scale however small their true momentum, and dividing that
-  by sqrt(0) + eps would move them by lr * scale / eps per step (30 at lr 3e-3, scale 1e-4).
-  DeepSpeed moves them so unless the user masks them.
-- `error_feedback=False` (an ablation; DeepSpeed has no such switch) drops both errors after
-  every compressed step, leaving plain, biased sign compression of the momentum.
-- `compress="update"` (dsjax's default through `config.optim.compress`; DeepSpeed has only
-  `"momentum"`) sends m_i / (sqrt(v) + eps) through the 1-bit all-reduce instead of m_i, and
-  multiplies the mean back by sqrt(v) + eps. With v frozen and the same on every worker this is
-  the same linear map on both sides, so the exact mean is unchanged; only the compression error
-  moves. 1-bit compression gives every coordinate of a bucket the same magnitude (the bucket's
-  RMS). In momentum space the RMS is set by the coordinates of large v, and a coordinate of
-  small v (an embedding row of a rare token) receives +-RMS / sqrt(v_small) per step: many
-  times its Adam step. Error feedback cancels that over later steps, but the parameter jitters
-  by that much meanwhile. In update space every coordinate's exact value is O(1), so is the
-  RMS, and no coordinate's error is larger than its Adam step. On cpu_tiny (mesh 2x2x2) the
-  momentum run diverged after ~100 compressed steps (docs/onebit.md, Measured).
-- `refresh_every=N` (0/1 Adam's variance refresh, Lu et al. 2022; DeepSpeed's OnebitAdam never
-  updates v after the freeze) makes every N-th step after the freeze exact, folding that step's
-  mean gradient into v. With `refresh_catchup` the refresh gets the weight of the N steps it
-  stands for: v <- b2^N v + (1 - b2^N) g^2, so v follows the gradient scale as fast as Adam's.
-- `update_bound` clips every coordinate of m / (sqrt(v) + eps) after the freeze (and, in update
-  space, of what each worker sends) to `adam_bound()`, a bound exact Adam never reaches. A v
-  frozen or refreshed from one sample can be far too small for a coordinate whose gradient has
-  grown; unclipped, that coordinate's value swamps its bucket's scale and every coordinate of
-  the tensor takes a huge step. On cpu_tiny, catch-up refreshes without the bound diverged at
-  step ~420; with it 1-bit Adam ends 0.5% above AdamW (docs/onebit.md, Measured).
+The one idea: after `freeze_step` exact Adam steps the second moment `v` is frozen (paper §3),
+which makes Adam's update linear in the momentum; so each data-parallel worker folds its local
+gradient into the momentum, and the momenta are averaged with the 1-bit all-reduce of
+`dsjax.optim.compressed_allreduce`. Which update a step takes (exact or compressed) is one rule,
+`OneBitAdam.uses_compression`, that every caller asks. Shapes inside the shard_map are local:
+W = size of `axis_name`, L = size of `fast_axis` (1 without one), n_b = bucket b's padded length.
+State layout, the train step and where this departs from DeepSpeed: docs/onebit.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dsjax.optim.compressed_allreduce import (BucketPlan, compressed_mean, group_name,
+                                              pad_multiple, plan_buckets, tree_sq_norm,
+                                              varying_axes)
+
+__all__ = ["OneBitAdam", "OneBitAdamState", "onebit_adam", "tree_sq_norm"]
+
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
-
-
-def pad_multiple(num_workers: int) -> int:
-    """Buffers are padded to W * lcm(W, 8): every worker's chunk is whole bytes of packed signs."""
-    return num_workers * math.lcm(num_workers, 8)
-
-
-def _sign_bits(x: jax.Array) -> jax.Array:
-    # DeepSpeed takes `sign(x) + 1 != 0`: zero compresses to +1, as does `x >= 0`.
-    return x >= 0
-
-
-def _decompress(bits_u8: jax.Array, scales: jax.Array) -> jax.Array:
-    """[R, C/8] packed signs, [R] scales -> [R, C] float32 values +-scale."""
-    signs = jnp.unpackbits(bits_u8, axis=1).astype(jnp.float32) * 2.0 - 1.0
-    return signs * scales[:, None]
-
-
-def compressed_allreduce(x: jax.Array, worker_error: jax.Array, server_error: jax.Array,
-                         axis_name: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Error-compensated 1-bit mean of `x` over `axis_name` (DeepSpeed's `compressed_allreduce`).
-
-    Call inside `jax.shard_map`, manual over `axis_name`. `x` and `worker_error` are this worker's
-    float32 [n] buffers, n a multiple of `pad_multiple(W)`; `server_error` is float32 [n / W], the
-    error of the chunk this worker serves. Returns (mean estimate [n], identical on every worker
-    and typed invariant over `axis_name`; new worker error [n]; new server error [n / W]).
-    """
-    w = lax.axis_size(axis_name)
-    n = x.shape[0]
-    if x.ndim != 1 or n % pad_multiple(w):
-        raise ValueError(f"compressed_allreduce: x must be flat with length a multiple of "
-                         f"W*lcm(W,8) = {pad_multiple(w)} (W={w}); got shape {x.shape}")
-    if worker_error.shape != (n,) or server_error.shape != (n // w,):
-        raise ValueError(f"compressed_allreduce: errors must be [{n}] and [{n // w}]; got "
-                         f"{worker_error.shape} and {server_error.shape}")
-    chunk = n // w
-
-    # Worker compression with error compensation (paper §4, Algorithm 1): [n] -> bits [n], one
-    # scale, and what the bits miss is kept for the next step.
-    x = x.astype(jnp.float32) + worker_error
-    scale = jnp.linalg.norm(x) / math.sqrt(n)
-    bits = _sign_bits(x)
-    new_worker_error = x - scale * jnp.where(bits, 1.0, -1.0)
-
-    # Phase 1: row j of `packed` is worker j's chunk. [W, chunk/8] u8 -> [W, chunk/8] u8, row j
-    # now from worker j; scales [] -> [W].
-    packed = jnp.packbits(bits.reshape(w, chunk), axis=1)
-    received = lax.all_to_all(packed, axis_name, 0, 0)
-    scales = lax.all_gather(scale, axis_name)
-
-    # Server: average the W decompressed copies of my chunk, add my server error, recompress.
-    # [W, chunk] -> [chunk]; DeepSpeed folds the 1/W into the scales before summing.
-    server_x = jnp.sum(_decompress(received, scales / w), axis=0) + server_error
-    server_scale = jnp.linalg.norm(server_x) / math.sqrt(chunk)
-    server_bits = _sign_bits(server_x)
-    new_server_error = server_x - server_scale * jnp.where(server_bits, 1.0, -1.0)
-
-    # Phase 2: every worker gets every chunk. [chunk/8] u8 -> [W, chunk/8]; [] -> [W]. Typed
-    # invariant: all workers hold the same result, so it may leave shard_map unstacked.
-    all_bits = lax.all_gather(jnp.packbits(server_bits), axis_name, to="invarying")
-    all_scales = lax.all_gather(server_scale, axis_name, to="invarying")
-    mean = _decompress(all_bits, all_scales).reshape(n)
-    return mean, new_worker_error, new_server_error
-
-
-# ------------------------------------------------------------------------------------ buckets
-
-REPLICATED = "replicated"
-
-
-def group_name(axes: Any) -> str:
-    """Error-buffer group of a leaf that is split over mesh `axes` (besides the data axes)."""
-    return "+".join(sorted(str(a) for a in axes)) if axes else REPLICATED
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketPlan:
-    """How the leaves of a pytree are packed into flat float32 buckets (static, hashable).
-
-    `buckets[b]` lists leaf indices (tree-flatten order), concatenated in that order and
-    zero-padded to `padded[b]`. Buckets never mix groups (leaves split over different mesh
-    axes) and are ordered by `groups[b]`, so a dict keyed by group flattens in bucket order.
-    """
-    treedef: Any
-    shapes: tuple[tuple[int, ...], ...]
-    groups: tuple[str, ...]
-    buckets: tuple[tuple[int, ...], ...]
-    padded: tuple[int, ...]
-
-    def flatten(self, tree: Any) -> list[jax.Array]:
-        """Pytree -> one float32 [padded[b]] buffer per bucket."""
-        leaves = jax.tree.leaves(tree)
-        out = []
-        for idx, size in zip(self.buckets, self.padded):
-            parts = [leaves[i].astype(jnp.float32).reshape(-1) for i in idx]
-            used = sum(p.shape[0] for p in parts)
-            parts.append(jnp.zeros((size - used,), jnp.float32))
-            out.append(jnp.concatenate(parts))
-        return out
-
-    def unflatten(self, buffers: Sequence[jax.Array]) -> Any:
-        """Inverse of `flatten` (drops the padding); float32 leaves."""
-        leaves: list[Any] = [None] * len(self.shapes)
-        for idx, buf in zip(self.buckets, buffers):
-            start = 0
-            for i in idx:
-                size = math.prod(self.shapes[i])
-                leaves[i] = buf[start:start + size].reshape(self.shapes[i])
-                start += size
-        return jax.tree.unflatten(self.treedef, leaves)
-
-    def by_group(self, per_bucket: Sequence[Any]) -> dict[str, tuple[Any, ...]]:
-        """[one per bucket] -> {group: (one per bucket of the group)}."""
-        out: dict[str, list[Any]] = {}
-        for group, x in zip(self.groups, per_bucket):
-            out.setdefault(group, []).append(x)
-        return {g: tuple(v) for g, v in out.items()}
-
-
-def plan_buckets(tree: Any, bucket_bytes: int, multiple: int,
-                 groups: Sequence[str] | None = None) -> BucketPlan:
-    """Groups consecutive leaves of one group into buckets of at most `bucket_bytes` bytes.
-
-    A leaf larger than `bucket_bytes` gets a bucket of its own (leaves are never split);
-    `bucket_bytes=0` puts every leaf in its own bucket. Each bucket is padded to `multiple`.
-    `groups`: one name per leaf (default: all `REPLICATED`).
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
-    groups = [REPLICATED] * len(leaves) if groups is None else list(groups)
-    names, buckets = [], []
-    for group in sorted(set(groups)):
-        used, start = 0, len(buckets)
-        for i in (i for i, g in enumerate(groups) if g == group):
-            nbytes = 4 * math.prod(shapes[i])
-            if len(buckets) == start or used + nbytes > bucket_bytes:
-                buckets.append([])
-                names.append(group)
-                used = 0
-            buckets[-1].append(i)
-            used += nbytes
-    sizes = [sum(math.prod(shapes[i]) for i in b) for b in buckets]
-    padded = tuple(max(multiple, -(-s // multiple) * multiple) for s in sizes)
-    return BucketPlan(treedef, shapes, tuple(names), tuple(tuple(b) for b in buckets), padded)
-
-
-def _varying_axes(x: Any) -> frozenset:
-    """The mesh axes over which `x` may differ inside shard_map (its varying manual axes)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def tree_sq_norm(tree: Any, skip_axes: Sequence = ()) -> jax.Array:
-    """Inside shard_map: the squared L2 norm of the whole tree this device holds shards of.
-
-    Each leaf's local sum of squares is summed over the mesh axes that leaf varies over (the axes
-    that split it), except `skip_axes`. Per-worker gradients with `skip_axes` = the data axes
-    give each worker the squared norm of its own gradient; a mean gradient, the global one.
-    """
-    sums: dict[tuple, jax.Array] = {}
-    for x in jax.tree.leaves(tree):
-        axes = tuple(sorted(_varying_axes(x) - set(skip_axes), key=str))
-        sums[axes] = sums.get(axes, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
-    total = jnp.zeros([], jnp.float32)
-    for axes, part in sums.items():
-        total = total + (lax.psum(part, axes) if axes else part)
-    return total
 
 
 def _spec_axes(spec: P) -> frozenset:
@@ -259,8 +35,6 @@ def _spec_axes(spec: P) -> frozenset:
         axes.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
     return frozenset(axes)
 
-
-# ---------------------------------------------------------------------------------- optimizer
 
 class OneBitAdamState(NamedTuple):
     count: jax.Array                             # int32 [] steps taken
@@ -272,7 +46,7 @@ class OneBitAdamState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class OneBitAdam:
-    """1-bit Adam; see the module docstring. Build it with `onebit_adam(...)`.
+    """1-bit Adam; see docs/onebit.md. Build it with `onebit_adam(...)`.
 
     `init`, `warmup_update` and `compressed_update` run inside `jax.shard_map` (check_vma on, the
     default) that is manual over `axis_name` (and `fast_axis`) and possibly other axes. Params
@@ -344,7 +118,7 @@ class OneBitAdam:
         """
         groups = []
         for path, p in jax.tree_util.tree_leaves_with_path(params):
-            axes = _varying_axes(p)
+            axes = varying_axes(p)
             if axes & set(self.data_axes):
                 raise ValueError(
                     f"onebit_adam: parameter {jax.tree_util.keystr(path)} differs across "
@@ -387,7 +161,7 @@ class OneBitAdam:
 
     def _check_local(self, local_grads: Any) -> None:
         for path, g in jax.tree_util.tree_leaves_with_path(local_grads):
-            if not set(self.data_axes) <= _varying_axes(g):
+            if not set(self.data_axes) <= varying_axes(g):
                 raise ValueError(
                     f"onebit_adam: gradient {jax.tree_util.keystr(path)} is not per-worker (not "
                     f"varying over {list(self.data_axes)}): it was already all-reduced. "
@@ -471,7 +245,7 @@ class OneBitAdam:
         # Dicts flatten in sorted-key order, which is the plan's bucket order.
         for buf, we, se in zip(plan.flatten(local_mu), jax.tree.leaves(state.worker_error),
                                jax.tree.leaves(state.server_error)):
-            mean, we, se = self._reduce(buf, we[0], se[0])
+            mean, we, se = compressed_mean(buf, we[0], se[0], self.axis_name, self.fast_axis)
             if not self.error_feedback:
                 we, se = jnp.zeros_like(we), jnp.zeros_like(se)
             means.append(mean)
@@ -481,28 +255,13 @@ class OneBitAdam:
         if self.compress == "update":
             mu = jax.tree.map(lambda u, d: u * d, mu, denom)
         count_inc = state.count + 1
-        # v == 0: never had a gradient, true momentum 0 (module docstring); weight decay stays.
+        # v == 0: never had a gradient, true momentum 0 (docs/onebit.md); weight decay stays.
         seen = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
         updates = self._updates(seen, state.nu, params, count_inc, self.nu_updates(count_inc),
                                 self._lr(state.count))
         return updates, state._replace(count=count_inc, mu=mu,
                                        worker_error=plan.by_group(worker_errors),
                                        server_error=plan.by_group(server_errors))
-
-    def _reduce(self, buf: jax.Array, worker_error: jax.Array, server_error: jax.Array
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        if self.fast_axis is None:
-            return compressed_allreduce(buf, worker_error, server_error, self.axis_name)
-        # Hierarchical: exact mean over the fast (intra-node) axis, each of the L devices keeping
-        # 1/L of the buffer; 1-bit across nodes on that slice; exact all-gather back in the node.
-        # [n] -> [n/L]
-        fast = lax.axis_size(self.fast_axis)
-        part = lax.psum_scatter(buf, self.fast_axis, tiled=True) / fast
-        mean, worker_error, server_error = compressed_allreduce(part, worker_error, server_error,
-                                                                self.axis_name)
-        # [n/L] -> [n]
-        mean = lax.all_gather(mean, self.fast_axis, tiled=True, to="invarying")
-        return mean, worker_error, server_error
 
 
 def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -520,7 +279,7 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     `fast_axis`: the intra-node mesh axis for the hierarchical reduction (exact inside a node,
     1-bit across nodes over `axis_name`). `error_feedback=False` zeroes the error buffers after
     every compressed step (an ablation). `compress`: "momentum" (DeepSpeed) or "update" (the
-    momentum over the frozen sqrt(v) + eps; see the module docstring). `refresh_every=N`: after
+    momentum over the frozen sqrt(v) + eps; see docs/onebit.md). `refresh_every=N`: after
     the freeze every N-th step is exact Adam (exact mean gradient, v updated), as 0/1 Adam
     (Lu et al. 2022) refreshes v; 0 keeps v frozen (DeepSpeed). `refresh_catchup`: a refresh
     folds g^2 into v with weight 1 - b2^N instead of 1 - b2 (v then follows the gradient scale
