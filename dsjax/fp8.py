@@ -1,11 +1,12 @@
-"""FP8 matmuls: an fp8 `dot_general` with a hand-written VJP, three scaling recipes, and the
-delayed-scaling state.
+"""FP8 matmuls: an fp8 `dot_general` with a hand-written VJP, three scaling recipes, the
+delayed-scaling state, and the precision policy (`Fp8Policy`: which matmuls of which layers).
 
 The one idea: operands are cast to fp8 *before* `lax.dot_general`, which receives fp8 tensors and
 `preferred_element_type=float32`; the dequantisation scales are multiplies on the float32 result.
 XLA's GPU gemm rewriter turns that pattern into a cuBLASLt fp8 GEMM on Hopper (custom call
-`__cublas$lt$matmul$f8`; scalar scales and the output cast can fold into its epilogue). On CPU the same program is exact float32
-arithmetic on fp8 values, so tests pin the quantisation bit for bit against `emulate_einsum`.
+`__cublas$lt$matmul$f8`; scalar scales and the output cast can fold into its epilogue). On CPU
+the same program is exact float32 arithmetic on fp8 values, so tests pin the quantisation bit for
+bit against `emulate_einsum`.
 
 Formats (Micikevicius et al. 2022, "FP8 formats for deep learning"): activations and weights in
 e4m3 (more mantissa), output gradients in e5m2 (more range). With `scale` the dequantisation
@@ -354,6 +355,37 @@ def combine(meta_grads_a: Any, meta_grads_b: Any) -> Any:
     return jax.tree.map(
         lambda a, b: a.replace(amax=jnp.maximum(_f32(a.amax), _f32(b.amax))), meta_grads_a,
         meta_grads_b, is_leaf=_is_meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# The precision policy.
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Policy:
+    """Which projections of which layers run as fp8 GEMMs, and how they scale. Built once from
+    the config (`dsjax.model.build.make_model`); every layer takes this one value (None: no fp8)."""
+    matmuls: tuple[str, ...]  # projection names: q, k, v, o (attention), gate, up, down (MLP)
+    recipe: str = "current"  # one of RECIPES
+    history: int = DEFAULT_HISTORY  # amax history length of the "delayed" recipe
+    layers: tuple[bool, ...] = ()  # per layer: runs `matmuls` in fp8; () = every layer
+    margin: float = 0.0  # "delayed": scales are multiplied by 2**margin (`commit`)
+
+    @property
+    def delayed(self) -> bool:
+        """Delayed scaling of at least one matmul: the model carries `META_COLLECTION` state."""
+        return self.recipe == "delayed" and bool(self.matmuls)
+
+    def runs(self, name: str, layer: int | None = None) -> bool:
+        """Does matmul `name` of layer `layer` run in fp8? (`layer` None: of a layer that does.)"""
+        return name in self.matmuls and (layer is None or not self.layers or self.layers[layer])
+
+    def layer_flags(self, num_layers: int) -> tuple[bool, ...]:
+        """Per layer of a `num_layers` stack: does it run `matmuls` in fp8?"""
+        return self.layers or (bool(self.matmuls),) * num_layers
+
+    def layer_range(self, lo: int, hi: int) -> Fp8Policy:
+        """The policy of layers [lo, hi) as a stack of their own (a pipeline chunk)."""
+        return dataclasses.replace(self, layers=self.layers[lo:hi])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsjax import remat
+from dsjax import fp8, remat
 from dsjax.config import Config
 from dsjax.model.decoder import Transformer
 
@@ -16,16 +16,24 @@ def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unrol
     """The decoder `cfg` describes. `layer_policies`: per-layer remat policy names (default: from
     `cfg.remat`); `unroll`: unroll the layer scan (FLOP counting); `for_eval`: delayed fp8
     scaling evaluates with current scaling (its amax history is training state)."""
-    L = cfg.model.num_layers
     if layer_policies is None:
-        layer_policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, L)
+        layer_policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers,
+                                              cfg.model.num_layers)
+    policy = fp8_policy(cfg, for_eval)
+    dtype = cfg.train.compute_dtype if policy is None else cfg.fp8.other_dtype
+    return Transformer(cfg.model, dtype=COMPUTE_DTYPES[dtype], layer_policies=layer_policies,
+                       scan_unroll=unroll, fp8_policy=policy)
+
+
+def fp8_policy(cfg: Config, for_eval: bool = False) -> fp8.Fp8Policy | None:
+    """The precision policy `cfg.fp8` describes for the decoder's layers; None unless
+    `train.compute_dtype` is "fp8". `for_eval`: as in `make_model`."""
     if cfg.train.compute_dtype != "fp8":
-        return Transformer(cfg.model, dtype=COMPUTE_DTYPES[cfg.train.compute_dtype],
-                           layer_policies=layer_policies, scan_unroll=unroll)
-    f = cfg.fp8
-    fp8_layers = tuple(f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L))
-    recipe = "current" if for_eval and f.recipe == "delayed" else f.recipe
-    return Transformer(cfg.model, dtype=COMPUTE_DTYPES[f.other_dtype],
-                       layer_policies=layer_policies, scan_unroll=unroll,
-                       fp8_matmuls=f.matmul_names, fp8_recipe=recipe,
-                       fp8_history=f.history_len, fp8_layers=fp8_layers)
+        return None
+    f, L = cfg.fp8, cfg.model.num_layers
+    return fp8.Fp8Policy(
+        matmuls=f.matmul_names,
+        recipe="current" if for_eval and f.recipe == "delayed" else f.recipe,
+        history=f.history_len,
+        layers=tuple(f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L)),
+        margin=f.margin)

@@ -1,7 +1,8 @@
 """The DeepSeek-LLM decoder: embedding, a scanned stack of pre-norm blocks, final norm, output head.
 
 Layers are scanned (`lax.scan` over groups of layers), so every block parameter carries a leading
-"layers" axis and compile time does not grow with depth. The input embedding and the output head are untied.
+"layers" axis and compile time does not grow with depth. The input embedding and the output head
+are untied.
 """
 
 from __future__ import annotations
@@ -16,16 +17,14 @@ import numpy as np
 from dsjax import fp8, remat
 from dsjax.config import ModelConfig
 from dsjax.model.loss import AUX, weighted_cross_entropy
-from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param
+from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param, rms_norm
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
-# leading dense blocks and the MTP modules (every stage holds them whole; dsjax/pipeline.py).
+# leading dense blocks and the MTP modules (every stage holds them whole; dsjax.pipeline).
 EXTRA_LAYERS = "extra_layers"
-ATTN_MATMULS = ("q", "k", "v", "o")
-MLP_MATMULS = ("gate", "up", "down")
 
 
 class DecoderBlock(nn.Module):
@@ -39,35 +38,27 @@ class DecoderBlock(nn.Module):
     norm_eps: float
     init_std: float
     dtype: Any = jnp.float32
-    fp8_matmuls: tuple[str, ...] = ()  # projections run as fp8 GEMMs (see dsjax/fp8.py)
-    fp8_recipe: str = "current"
-    fp8_history: int = fp8.DEFAULT_HISTORY
+    fp8_policy: fp8.Fp8Policy | None = None  # projections run as fp8 GEMMs; None: none do
     mla: tuple[tuple[str, Any], ...] = ()  # MLA fields (mla.mla_fields); () = `Attention`
     moe: tuple[tuple[str, Any], ...] = ()  # MoE fields (moe.moe_fields); () = dense `SwiGLU`
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
-        attn_fp8 = tuple(m for m in self.fp8_matmuls if m in ATTN_MATMULS)
-        mlp_fp8 = tuple(m for m in self.fp8_matmuls if m in MLP_MATMULS)
         if self.mla:
-            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_matmuls=attn_fp8,
-                       fp8_recipe=self.fp8_recipe, fp8_history=self.fp8_history, name="attn")
+            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_policy=self.fp8_policy, name="attn")
         else:
             attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
-                             self.init_std, self.dtype, attn_fp8, self.fp8_recipe,
-                             self.fp8_history, name="attn")
+                             self.init_std, self.dtype, self.fp8_policy, name="attn")
         h_BSD = x_BSD + attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
                              segment_ids_BS)
         h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)
         stats = None
         if self.moe:
-            mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_matmuls=mlp_fp8,
-                      fp8_recipe=self.fp8_recipe, fp8_history=self.fp8_history, name="moe")
+            mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_policy=self.fp8_policy, name="moe")
             mlp_BSD, stats = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
         else:
-            mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, mlp_fp8, self.fp8_recipe,
-                         self.fp8_history, name="mlp")
+            mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, self.fp8_policy, name="mlp")
             mlp_BSD = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
         out_BSD = h_BSD + mlp_BSD
         return nn.with_logical_constraint(out_BSD, RESIDUAL), stats
@@ -77,7 +68,7 @@ class Transformer(nn.Module):
     """tokens [B, S] -> float32 logits [B, S, V].
 
     Per-layer choices: `layer_policies` (remat policy of each layer, see dsjax/remat.py; empty =
-    none) and `fp8_layers` (whether each layer runs `fp8_matmuls` as fp8 GEMMs; empty = all do).
+    none) and `fp8_policy` (which projections of which layers run as fp8 GEMMs; None = none).
     The stack is split into contiguous segments of equal fp8 choice, and each segment is a
     `lax.scan` over groups of layers (the shortest repeating period of its remat policies), so
     per-layer patterns keep the loop a scan. Params keep one layout whatever the choices: every
@@ -88,16 +79,13 @@ class Transformer(nn.Module):
     dtype: Any = jnp.float32
     layer_policies: tuple[str, ...] = ()
     scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
-    fp8_matmuls: tuple[str, ...] = ()
-    fp8_recipe: str = "current"
-    fp8_history: int = fp8.DEFAULT_HISTORY
-    fp8_layers: tuple[bool, ...] = ()
+    fp8_policy: fp8.Fp8Policy | None = None
 
     def _block(self, use_fp8: bool, moe: bool = False) -> DecoderBlock:
         cfg = self.cfg
         return DecoderBlock(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                             cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype,
-                            self.fp8_matmuls if use_fp8 else (), self.fp8_recipe, self.fp8_history,
+                            self.fp8_policy if use_fp8 else None,
                             mla=mla_fields(cfg) if cfg.attention == "mla" else (),
                             moe=moe_fields(cfg) if moe else (),
                             parent=None)  # detached: `run_layers` works on an unbound module too
@@ -153,7 +141,8 @@ class Transformer(nn.Module):
         L = self.cfg.num_layers
         hi = L if hi is None else hi
         policies = tuple(self.layer_policies) or ("none",) * L
-        fp8_on = tuple(self.fp8_layers) or (bool(self.fp8_matmuls),) * L
+        fp8_on = (self.fp8_policy.layer_flags(L) if self.fp8_policy is not None
+                  else (False,) * L)
         if len(policies) != L or len(fp8_on) != L:
             raise ValueError(f"per-layer choices must have num_layers={L} entries")
         segments, start = [], lo
@@ -186,7 +175,7 @@ class Transformer(nn.Module):
             # A MoE model pipelines its MoE stack; the dense blocks before it stay whole.
             axis = EXTRA_LAYERS if cfg.is_moe and not moe else "layers"
             stack = {"params": self.param(name, self._init_stack, "params", moe, hi - lo, axis)}
-            if self.fp8_matmuls and self.fp8_recipe == "delayed":
+            if self.fp8_policy is not None and self.fp8_policy.delayed:
                 stack[fp8.META_COLLECTION] = self.variable(
                     fp8.META_COLLECTION, name,
                     lambda moe=moe, n=hi - lo: self._init_stack(jax.random.key(0),
@@ -243,29 +232,24 @@ class Transformer(nn.Module):
         one decoder block to h^k_i, whose norm and the shared head predict t_{i+k+1}. `params`:
         the "mtp_*" entries of the model's params. Returns (summed weighted NLL per module [n],
         its weight sum [n], MoE stats of the modules' blocks). Needs no bound module: a pipeline
-        runs it on its last stage's outputs (dsjax/pipeline.py)."""
+        runs it on its last stage's outputs (dsjax.pipeline)."""
         cfg, n = self.cfg, self.cfg.num_mtp_layers
         block = self._layer_fn("none", False, positions_BS, segment_ids_BS, cfg.is_moe)
-
-        def rms(x, scale):
-            x32 = x.astype(jnp.float32)
-            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
-            return (scale * y).astype(x.dtype)
-
         sums, stats = [], []
         valid_NBS = mtp_weights(weights_BS, n)
         for k in range(1, n + 1):
             e_BSD = embed_tokens(embedding_VD, _ahead(tokens_BS, k), self.dtype)
-            cat_BSE = jnp.concatenate([rms(e_BSD, params["mtp_enorm"][k - 1]),
-                                       rms(h_BSD, params["mtp_hnorm"][k - 1])], axis=-1)
+            cat_BSE = jnp.concatenate([rms_norm(e_BSD, params["mtp_enorm"][k - 1], cfg.norm_eps),
+                                       rms_norm(h_BSD, params["mtp_hnorm"][k - 1], cfg.norm_eps)],
+                                      axis=-1)
             h_BSD = jnp.einsum("BSE,ED->BSD", cat_BSE,
                                params["mtp_eh_proj"][k - 1].astype(self.dtype))
             h_BSD, s = block(h_BSD, {"params": jax.tree.map(lambda a, k=k: a[k - 1],
                                                             params["mtp_layers"])})
             if s is not None:
                 stats.append(jax.tree.map(lambda a: a[None], s))
-            logits_BSV = output_logits(rms(h_BSD, params["mtp_norm"][k - 1]), head_DV,
-                                       self.dtype)
+            logits_BSV = output_logits(rms_norm(h_BSD, params["mtp_norm"][k - 1], cfg.norm_eps),
+                                       head_DV, self.dtype)
             # Target t_{i+k+1} = targets[i + k].
             sums.append(weighted_cross_entropy(logits_BSV, _ahead(targets_BS, k),
                                                valid_NBS[k - 1])[0])
@@ -277,7 +261,7 @@ class Transformer(nn.Module):
         """Layers [lo, hi) (default: all) on x [B, S, D]. `stack` holds their variables
         ({"params": ...}, with delayed fp8 also {"fp8_meta": ...}) on a leading axis of hi - lo.
         Returns x and the MoE stats of each segment (empty for dense layers). Needs no bound
-        module: a pipeline stage runs its slice of the stack through it (dsjax/pipeline.py)."""
+        module: a pipeline stage runs its slice of the stack through it (dsjax.pipeline)."""
         hi = self.cfg.num_layers if hi is None else hi
         moe_stats = []
         for start, end, use_fp8, pattern in self._segments(lo, hi):

@@ -2,10 +2,10 @@
 
 Parameters are created in float32 with logical axis names; matmuls run in `dtype` (the compute
 dtype) with float32 accumulation where it matters (attention logits and softmax, norms), except
-the projections the fp8 precision policy names (`fp8_matmuls`), which run as fp8 GEMMs. The
-attention core (QK^T, softmax, PV) never runs in fp8. Numerics
-follow Hugging Face `LlamaForCausalLM`, our reference: RMSNorm in float32, rotate-half RoPE,
-query head h reads kv head h // R.
+the projections the fp8 precision policy (`fp8.Fp8Policy`) names, which run as fp8 GEMMs. The
+attention core (QK^T, softmax, PV) never runs in fp8. Numerics follow Hugging Face
+`LlamaForCausalLM`, our reference: RMSNorm in float32, rotate-half RoPE, query head h reads kv
+head h // R.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array,
     `name`), else the compute dtype.
 
     fp8 takes the float32 weight directly (quantising it skips a bf16 rounding)."""
-    if (policy_name or name) in module.fp8_matmuls:
-        meta = (fp8.meta_variable(module, name, module.fp8_history)
-                if module.fp8_recipe == "delayed" else None)
-        return fp8.fp8_einsum(eq, x, w, recipe=module.fp8_recipe, out_dtype=module.dtype,
-                              meta=meta)
+    policy = module.fp8_policy
+    if policy is not None and policy.runs(policy_name or name):
+        meta = fp8.meta_variable(module, name, policy.history) if policy.delayed else None
+        return fp8.fp8_einsum(eq, x, w, recipe=policy.recipe, out_dtype=module.dtype, meta=meta)
     return jnp.einsum(eq, x.astype(module.dtype), w.astype(module.dtype))
 
 
@@ -42,17 +41,22 @@ def _param(module: nn.Module, name: str, shape: Sequence[int], names: Sequence[s
     return module.param(name, init, tuple(shape), jnp.float32)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * scale over the last dim, computed in float32; returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (scale * y).astype(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale, computed in float32 whatever the input dtype."""
+    """`rms_norm` with a learned float32 scale [D], whatever the input dtype."""
     eps: float
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                            (x.shape[-1],), jnp.float32)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (scale * y).astype(x.dtype)
+        return rms_norm(x, scale, self.eps)
 
 
 def apply_rope(x_BSHK: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
@@ -83,9 +87,7 @@ class Attention(nn.Module):
     rope_theta: float
     init_std: float
     dtype: Dtype = jnp.float32
-    fp8_matmuls: tuple[str, ...] = ()  # of q, k, v, o
-    fp8_recipe: str = "current"
-    fp8_history: int = fp8.DEFAULT_HISTORY
+    fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, v, o
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
@@ -124,9 +126,7 @@ class SwiGLU(nn.Module):
     mlp_dim: int
     init_std: float
     dtype: Dtype = jnp.float32
-    fp8_matmuls: tuple[str, ...] = ()  # of gate, up, down
-    fp8_recipe: str = "current"
-    fp8_history: int = fp8.DEFAULT_HISTORY
+    fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:

@@ -108,9 +108,7 @@ class MLA(nn.Module):
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
     dtype: Dtype = jnp.float32
-    fp8_matmuls: tuple[str, ...] = ()  # of q, k, o
-    fp8_recipe: str = "current"
-    fp8_history: int = fp8.DEFAULT_HISTORY
+    fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, o
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,

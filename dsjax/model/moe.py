@@ -151,13 +151,12 @@ class MoE(nn.Module):
     expert_parallel: bool
     init_std: float
     dtype: Dtype = jnp.float32
-    fp8_matmuls: tuple[str, ...] = ()  # of gate, up, down
-    fp8_recipe: str = "current"
-    fp8_history: int = fp8.DEFAULT_HISTORY
+    fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
 
     def _expert_matmul(self, name: str, x_ECD: jax.Array, w_EDF: jax.Array) -> jax.Array:
-        if name in self.fp8_matmuls and self.fp8_recipe != "delayed":
-            one = lambda x, w: fp8.fp8_einsum("CD,DF->CF", x, w, recipe=self.fp8_recipe,
+        policy = self.fp8_policy
+        if policy is not None and policy.runs(name) and not policy.delayed:
+            one = lambda x, w: fp8.fp8_einsum("CD,DF->CF", x, w, recipe=policy.recipe,
                                               out_dtype=self.dtype)
             return jax.vmap(one)(x_ECD.astype(self.dtype), w_EDF)
         return jnp.einsum("ECD,EDF->ECF", x_ECD.astype(self.dtype), w_EDF.astype(self.dtype))
@@ -205,9 +204,7 @@ class MoE(nn.Module):
             routed_BSD = self._all_to_all(expert_axis, x, experts_BSK, weights_BSK, w_gate, w_up,
                                           w_down)
         if self.n_shared:
-            shared = SwiGLU(self.n_shared * F, std, self.dtype,
-                            tuple(m for m in self.fp8_matmuls if m in ("gate", "up", "down")),
-                            self.fp8_recipe, self.fp8_history, name="shared")
+            shared = SwiGLU(self.n_shared * F, std, self.dtype, self.fp8_policy, name="shared")
             routed_BSD = routed_BSD + shared(x)
         return routed_BSD, stats
 
