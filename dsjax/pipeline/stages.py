@@ -77,7 +77,7 @@ class StagedModel:
                                                             first_k_dense_replace=0,
                                                             num_mtp_layers=0),
                        layer_policies=tuple(m.layer_policies)[k:k + n],
-                       fp8_layers=tuple(m.fp8_layers)[k:k + n])
+                       fp8_policy=m.fp8_policy and m.fp8_policy.layer_range(k, k + n))
 
     @property
     def stack(self) -> str:
