@@ -2,7 +2,12 @@
 
 `USER_ERRORS` are the types launch.py reports as one line, `dsjax: error: ...`, with exit 2 (no
 traceback): bad input (config, data, checkpoint, weights) or a run that cannot continue.
+`unknown_choice` is the one wording of "not one of the valid values", for every layer.
 """
+
+from __future__ import annotations
+
+from typing import Iterable
 
 
 class ConfigError(ValueError):
@@ -43,3 +48,16 @@ class TrainingError(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingError)
+
+
+def unknown_choice(what: str, value: object, valid: Iterable[str], field: str = "") -> str:
+    """The one wording for a value outside its choices: `field: unknown WHAT 'v'; valid: a, b`."""
+    where = f"{field}: " if field else ""
+    return f"{where}unknown {what} {value!r}; valid: {', '.join(valid)}"
+
+
+def one_of(field: str, value: object, valid: Iterable[str], what: str) -> None:
+    """Raises a ConfigError naming `field` unless `value` is one of `valid`."""
+    valid = tuple(valid)
+    if value not in valid:
+        raise ConfigError(unknown_choice(what, value, valid, field))

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from dsjax.errors import RematError
+from dsjax.errors import RematError, unknown_choice
 
 TAGS = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out", "mlp_gate", "mlp_up",
         "mlp_hidden", "mlp_out", "kv_latent", "moe_routed")
 ATTENTION_CORE = ("attn_context",)
 POLICIES = ("none", "full", "dots", "dots_no_batch", "attention_core", "names:", "offload:")
+# as an error message lists them: "auto" is remat_plan's, chosen before a policy is built
+_LISTED = tuple(p + "<tags>" if p.endswith(":") else p for p in POLICIES) + ("auto",)
 
 
 def _names(spec: str, prefix: str) -> tuple[str, ...]:
@@ -74,8 +76,7 @@ def checkpoint_policy(name: str) -> tuple[bool, Callable | None]:
         return True, cp.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(_names(name, "offload:")),
             offload_src="device", offload_dst="pinned_host")
-    raise RematError(f"remat.policy: unknown policy {name!r}; valid: none, full, dots, "
-                     "dots_no_batch, attention_core, names:<tags>, offload:<tags>, auto")
+    raise RematError(unknown_choice("policy", name, _LISTED, "remat.policy"))
 
 
 def validate_policy(name: str) -> None:
@@ -86,8 +87,7 @@ def validate_policy(name: str) -> None:
         if name.startswith(prefix):
             _names(name, prefix)
             return
-    raise RematError(f"remat.policy: unknown policy {name!r}; valid: none, full, dots, "
-                     "dots_no_batch, attention_core, names:<tags>, offload:<tags>, auto")
+    raise RematError(unknown_choice("policy", name, _LISTED, "remat.policy"))
 
 
 def layer_policies(policy: str, layers: str, num_layers: int) -> tuple[str, ...]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from typing import Mapping, MutableMapping
 
+from dsjax.errors import unknown_choice
+
 MIB = 2**20
 
 # profile -> ((flag, value, why), ...). One table; add a profile here and nowhere else.
@@ -61,7 +63,7 @@ PROFILES: dict[str, tuple[tuple[str, str, str], ...]] = {
 def flags(profile: str) -> list[str]:
     """The `--name=value` flags of `profile` (a key of PROFILES)."""
     if profile not in PROFILES:
-        raise ValueError(f"unknown XLA flag profile {profile!r}; valid: {', '.join(PROFILES)}")
+        raise ValueError(unknown_choice("XLA flag profile", profile, PROFILES))
     return [f"--{name}={value}" for name, value, _ in PROFILES[profile]]
 
 
