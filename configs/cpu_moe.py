@@ -34,17 +34,14 @@ def get_config(arg=None):
         n_shared_experts=1,        # one always-on shared expert
         moe_intermediate_size=96,  # expert width
         num_experts_per_tok=2,     # top-2 routing
-        n_group=2, topk_group=1,   # group-limited: each token uses 1 of 2 groups of 4 experts
-        routed_scaling_factor=1.0,  # routed output multiplier
+        n_group=2,                 # group-limited: each token uses 1 (topk_group) of 2 groups
+                                   # of 4 experts
         scoring="sigmoid",         # V3 router
         norm_topk_prob=True,       # normalised top-k weights
         first_k_dense_replace=1,   # first block dense
         aux_loss_alpha=0.0001,     # V3's small sequence-wise balance loss
-        bias_update_speed=0.001,   # V3's aux-loss-free bias step gamma
-        expert_parallel=True,      # all-to-all dispatch, experts over `data`
-        capacity_factor=0.0,       # dropless
+        expert_parallel=True,      # all-to-all dispatch, experts over `data` (dropless)
         num_mtp_layers=1,          # one multi-token prediction module
-        mtp_loss_weight=0.3,       # its loss weight
     ))
     c.mesh.update(dict(
         data=4,                    # 8 experts, 2 per data-parallel device

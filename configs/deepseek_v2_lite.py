@@ -28,11 +28,8 @@ def get_config(arg=None):
         num_kv_heads=16,            # = num_heads (MLA)
         mlp_dim=10944,              # the dense first block's SwiGLU width
         vocab_size=102400,          # DeepSeek tokenizer vocabulary
-        rope_theta=10000.0,         # rotary base
-        norm_eps=1e-6,              # RMSNorm epsilon
-        init_std=0.02,              # initializer_range
-        attention="mla",            # multi-head latent attention
-        q_lora_rank=0,              # V2-Lite projects q directly
+        attention="mla",            # multi-head latent attention (q projected directly: no
+                                    # q_lora_rank)
         kv_lora_rank=512,           # compressed KV latent
         qk_nope_head_dim=128,       # per-head q/k dims without RoPE
         qk_rope_head_dim=64,        # per-head q/k dims with RoPE
@@ -40,26 +37,18 @@ def get_config(arg=None):
         rope_scaling="yarn",        # 4k -> 160k context
         rope_factor=40.0,
         rope_original_max_len=4096,
-        rope_beta_fast=32.0,
-        rope_beta_slow=1.0,
         rope_mscale=0.707,
         rope_mscale_all_dim=0.707,
         n_routed_experts=64,        # routed experts per MoE layer
         n_shared_experts=2,         # shared experts
         moe_intermediate_size=1408,  # expert width
-        num_experts_per_tok=6,      # top-6
-        n_group=1, topk_group=1,    # V2-Lite routes greedily (no group limit)
-        routed_scaling_factor=1.0,
-        scoring="softmax",          # V2 router
-        norm_topk_prob=False,
+        num_experts_per_tok=6,      # top-6, greedy (no group limit), softmax router (V2)
         first_k_dense_replace=1,    # layer 0 dense
         aux_loss_alpha=0.001,       # V2's expert-level balance loss weight
         bias_update_speed=0.0,      # no correction bias with a softmax router
         expert_parallel=True,       # experts over `data`, all-to-all dispatch
         capacity_factor=1.25,       # dropless buffers would be E x tokens at this scale
-        num_mtp_layers=0,
-        mtp_loss_weight=0.3,
     ))
-    c.mesh.update(dict(data=8, tensor=1, pipeline=1, fsdp=False))  # 8 GPUs: 8 experts each
-    c.optim.lr = 4.2e-4
+    c.mesh.update(dict(data=8, tensor=1, fsdp=False))  # 8 GPUs: 8 experts each
+    # optim.lr: deepseek_7b's, which is V2-Lite's published peak learning rate too
     return c

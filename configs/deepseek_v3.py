@@ -28,8 +28,6 @@ def get_config(arg=None):
         num_kv_heads=128,           # = num_heads (MLA)
         mlp_dim=18432,              # the 3 dense blocks' SwiGLU width
         vocab_size=129280,          # DeepSeek-V3 tokenizer vocabulary
-        rope_theta=10000.0,         # rotary base
-        norm_eps=1e-6,              # RMSNorm epsilon
         init_std=0.006,             # DeepSeek-V3 §4.2
         attention="mla",            # multi-head latent attention
         q_lora_rank=1536,           # query compression rank
@@ -40,9 +38,6 @@ def get_config(arg=None):
         rope_scaling="yarn",        # 4k -> 128k context
         rope_factor=40.0,
         rope_original_max_len=4096,
-        rope_beta_fast=32.0,
-        rope_beta_slow=1.0,
-        rope_mscale=1.0,
         rope_mscale_all_dim=1.0,
         n_routed_experts=256,       # routed experts per MoE layer
         n_shared_experts=1,         # shared expert
@@ -58,9 +53,8 @@ def get_config(arg=None):
         expert_parallel=True,       # experts over `data`, all-to-all dispatch
         capacity_factor=1.25,       # dropless buffers would be E x tokens at this scale
         num_mtp_layers=1,           # one MTP module, loss weight 0.3 (V3 §4.2, first 10T tokens)
-        mtp_loss_weight=0.3,
     ))
-    c.mesh.update(dict(data=64, tensor=8, pipeline=1, fsdp=True))  # 512 GPUs: 4 experts each
+    c.mesh.update(dict(data=64, tensor=8, fsdp=True))  # 512 GPUs: 4 experts each
     c.data.update(dict(seq_len=4096, global_batch=1536))
     c.optim.lr = 2.2e-4
     return c

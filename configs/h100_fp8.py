@@ -5,9 +5,9 @@ head, norms and the attention core stay in bf16/fp32), selective recomputation `
 (benchmarks/results/remat_deepseek_7b.txt: 34% of `none`'s activation memory for +4.6% FLOPs),
 1-bit Adam with error compensation after 20% of the steps (benchmarks/results/comm_bytes_*.json:
 the compressed step sends ~1/32 of the warmup step's data-parallel bytes; every 10th step is
-exact and refreshes v, so 1/7.8 on average: deepseek_7b's optim.refresh_every; docs/onebit.md),
-the adaptive batch size between 512 and 2048 rows with gradient accumulation (#8), and tensor x
-pipeline x data parallelism (2 x 2 x 2, 1f1b schedule, #7), the XLA overlap flag profile (#10).
+exact and refreshes v, so 1/7.8 on average: the optim.refresh_every default; docs/onebit.md),
+the adaptive batch size between 512 and 2048 rows with gradient accumulation, and tensor x
+pipeline x data parallelism (2 x 2 x 2, the default 1f1b schedule), the XLA overlap flag profile.
 
 Run on 8 H100s:  python launch.py --config configs/h100_fp8.py --config.data.path=DIR
 On CPU (everything landed, on a tiny model):  python launch.py --config configs/h100_fp8.py:smoke
@@ -29,33 +29,27 @@ def get_config(arg=None):
     c.mesh.xla_profile = "overlap"      # latency-hiding scheduler + pipelined collectives (GPU)
     c.optim.name = "onebit_adam"        # exact Adam, then 1-bit compressed momentum all-reduce
     c.optim.freeze_step = c.train.steps // 5  # freeze v after 20% of the steps (200; smoke: 4)
-    c.train.compute_dtype = "fp8"       # fp8 projections; the rest in fp8.other_dtype
-    c.fp8.recipe = "current"            # per-tensor current scaling (stateless)
-    c.fp8.other_dtype = "bfloat16"      # embedding, head, attention core
-    c.remat.policy = "attention_core"   # Megatron-style selective recompute (see docstring)
-    c.remat.layers = "all"
+    # fp8 projections with the default fp8 section: per-tensor current scaling (stateless), the
+    # embedding, head and attention core in fp8.other_dtype (bfloat16).
+    c.train.compute_dtype = "fp8"
+    c.remat.policy = "attention_core"   # Megatron-style selective recompute, every layer (see
+                                        # docstring)
     # Dynamic batch size (docs/batching.md): start at 512 rows (2M tokens), grow x1.5 up the
-    # ladder while the predicted memory stays under 90%, shrink x0.8 past it; each size is
-    # micro-batch x accumulation x data, the micro-batch the largest predicted to fit.
+    # ladder while the predicted memory stays under 90% (batch.mem_fraction), shrink x0.8 past
+    # it; each size is micro-batch x accumulation x data. No step-time rule
+    # (batch.target_step_ms = 0): with accumulation a step's time grows with the batch by design.
     c.data.global_batch = 512           # the starting size (a ladder size)
     c.batch.update(dict(
         policy="adaptive", ladder="512,768,1024,1536,2048",
-        reference_batch=512,            # optim.lr is the lr at 512 rows; sqrt-scaled above
-        lr_scaling="sqrt",
-        micro_batch=0,                  # chosen from the compiled program's memory_analysis()
-        mem_fraction=0.9,
-        target_step_ms=0.0,             # no step-time rule: with accumulation a step's time
-                                        # grows with the batch by design (docs/batching.md)
-        patience=3, cooldown=10))
+        reference_batch=512))           # optim.lr is the lr at 512 rows; sqrt-scaled above
     # Tensor x pipeline x data on 8 GPUs: 2 x 2 x 2 keeps two data-parallel workers for 1-bit
     # Adam (the recipe's tensor 4 x pipeline 2 needs 16 GPUs for that: --config.mesh.tensor=4).
-    # 1f1b: activation memory flat in the microbatch count (docs/pipeline.md); the pipeline's
-    # shard_map nests inside 1-bit Adam's gradient shard_map.
+    # The default 1f1b schedule (deepseek_7b's 8 microbatches): activation memory flat in the
+    # microbatch count (docs/pipeline.md); the pipeline's shard_map nests inside 1-bit Adam's
+    # gradient shard_map.
     c.mesh.update(dict(data=2, tensor=2, pipeline=2))
-    c.pipeline.update(dict(schedule="1f1b", microbatches=8, repeats=1))
     c.batch.micro_batch = 8             # rows per replica per micro-step: the 8 pipeline microbatches
     if arg == "smoke":
-        c.mesh.update(dict(data=2, tensor=2, pipeline=2))
         c.pipeline.microbatches = 2     # pipelined smoke: mesh (2, 2, 2), 8 rows
         c.fp8.other_dtype = "float32"   # CPUs have no fast bf16; fp8 GEMMs are emulated exactly
         c.data.global_batch = 8         # 2 rows per data-parallel replica

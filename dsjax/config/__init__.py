@@ -1,0 +1,23 @@
+"""Config: an `ml_collections.ConfigDict` in, frozen and validated dataclasses out.
+
+sections.py holds the dataclasses (the only place defaults live), validate.py each section's
+checks, compositions.py what does not combine with what, load.py files and command lines.
+Importing this package never imports JAX (launch.py reads the config before JAX starts).
+"""
+
+from dsjax.config.compositions import compositions
+from dsjax.config.load import (CommandLine, check_command_line, defaults, from_config_dict, load,
+                               read_file, run_name)
+from dsjax.config.sections import (SECTIONS, BatchConfig, CheckpointConfig, Config, DataConfig,
+                                   FP8Config, MeshConfig, MetricsConfig, ModelConfig, OptimConfig,
+                                   PipelineConfig, RematConfig, TrainConfig)
+from dsjax.config.validate import validate, validate_deepseek
+from dsjax.errors import ConfigError
+
+_validate_deepseek = validate_deepseek  # the old name, until dsjax/convert/ imports the new one
+
+__all__ = ["BatchConfig", "CheckpointConfig", "CommandLine", "Config", "ConfigError", "DataConfig",
+           "FP8Config", "MeshConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
+           "PipelineConfig", "RematConfig", "SECTIONS", "TrainConfig", "check_command_line",
+           "compositions", "defaults", "from_config_dict", "load", "read_file", "run_name",
+           "validate", "validate_deepseek"]

@@ -1,0 +1,101 @@
+"""What does not combine with what: every rule that two valid settings cannot be on together.
+
+The one idea: this is the one list to read before switching features on together (the README's
+"what does not combine"). Each rule is one `if`, and its `ConfigError` names the field to change
+and says why. It runs after every section passed its own checks (validate.py), so a rule may rely
+on each section being well-formed (e.g. the layers split into pipeline chunks).
+"""
+
+from __future__ import annotations
+
+from dsjax import remat
+from dsjax.config.sections import Config
+from dsjax.errors import ConfigError
+
+
+def compositions(cfg: Config) -> None:
+    """Raises a ConfigError for the first pair of settings that does not combine."""
+    m, o, f, S = cfg.model, cfg.optim, cfg.fp8, cfg.mesh.pipeline
+    fp8 = cfg.train.compute_dtype == "fp8"
+
+    # Architecture.
+    if m.attention == "mla" and m.num_kv_heads != m.num_heads:
+        raise ConfigError(f"model.num_kv_heads: mla expands its latent to every head; set it "
+                          f"to num_heads {m.num_heads}, got {m.num_kv_heads}")
+    if m.rope_scaling == "yarn" and m.attention != "mla":
+        raise ConfigError("model.rope_scaling: yarn is implemented for attention='mla' only")
+    if m.expert_parallel and not m.is_moe:
+        raise ConfigError("model.expert_parallel: needs routed experts (model.n_routed_experts); "
+                          "a dense model has no experts to place over `data`")
+
+    # fp8.
+    expert_fp8 = [n for n in f.matmul_names if n in ("gate", "up", "down")]
+    if (m.is_moe and fp8 and f.recipe == "delayed" and expert_fp8
+            and m.first_k_dense_replace < m.num_layers):
+        # Delayed scaling keeps one amax history per matmul; experts scale per expert.
+        raise ConfigError(f"fp8.recipe: 'delayed' does not cover MoE experts (fp8.matmuls has "
+                          f"{','.join(expert_fp8)}, which would run in fp8.other_dtype in the "
+                          f"MoE blocks); use 'current' or 'rowwise', or drop gate,up,down from "
+                          f"fp8.matmuls")
+
+    # 1-bit Adam.
+    if o.hierarchical and o.name != "onebit_adam":
+        raise ConfigError(f"optim.hierarchical: only optim.name='onebit_adam' has a hierarchical "
+                          f"reduction; got optim.name={o.name!r}")
+    if o.name == "onebit_adam" and cfg.mesh.fsdp:
+        raise ConfigError("mesh.fsdp: optim.name='onebit_adam' needs parameters and optimizer "
+                          "state replicated over `data` (each worker compresses its own "
+                          "momentum of the whole model); set mesh.fsdp=False")
+    if o.name == "onebit_adam" and m.n_routed_experts:
+        raise ConfigError("model.n_routed_experts: optim.name='onebit_adam' needs every "
+                          "parameter replicated over `data`, and experts are sharded over it; "
+                          "use optim.name='adamw' for MoE models")
+
+    # Recomputation.
+    if cfg.remat.policy == "auto" and cfg.remat.layers != "all":
+        raise ConfigError("remat.layers: 'auto' chooses the layer pattern too; leave "
+                          "remat.layers at 'all'")
+
+    # Pipeline parallelism.
+    p = cfg.pipeline
+    if p.repeats > 1 and p.schedule != "circular":
+        raise ConfigError(f"pipeline.repeats: only the circular schedule interleaves layer "
+                          f"chunks; got repeats={p.repeats} with schedule {p.schedule!r}")
+    if S == 1:
+        return
+    # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline/).
+    k = m.first_k_dense_replace if m.is_moe else 0
+    # Every stage runs one program, so every chunk of layers must make the same choices.
+    chunk = (m.num_layers - k) // (S * p.repeats)
+    if cfg.remat.policy != "auto":
+        per_layer = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, m.num_layers)[k:]
+        if per_layer != per_layer[:chunk] * (S * p.repeats):
+            raise ConfigError(f"remat.layers: the per-layer pattern {cfg.remat.layers!r} differs "
+                              f"between pipeline chunks of {chunk} layers; use a period that "
+                              f"divides {chunk}")
+    if fp8:
+        for key in ("keep_first_layers", "keep_last_layers"):
+            if getattr(f, key):
+                raise ConfigError(f"fp8.{key}: must be 0 with mesh.pipeline > 1 (every stage "
+                                  f"runs the same program, so no layer can leave fp8)")
+        if f.recipe == "delayed" and p.schedule != "1f1b":
+            # jax.grad would sum each stage's amax observations over the ticks, not max them.
+            raise ConfigError(f"fp8.recipe: 'delayed' needs pipeline.schedule '1f1b' (which "
+                              f"max-combines its amax observations itself), got "
+                              f"{p.schedule!r}; or use 'current' / 'rowwise'")
+    if cfg.mesh.fsdp:
+        raise ConfigError("mesh.fsdp: not with mesh.pipeline > 1 yet (XLA's SPMD partitioner "
+                          "fails on data-sharded weights inside the pipeline's shard_map); the "
+                          "stages already split the layer weights")
+    if cfg.train.compute_dtype == "float16" and p.schedule == "1f1b":
+        raise ConfigError("train.compute_dtype: float16 loss scaling does not reach inside the "
+                          "1f1b schedule's own backward; use bfloat16, or pipeline.schedule "
+                          "gpipe/circular")
+    if k and fp8 and f.recipe == "delayed":
+        raise ConfigError(f"fp8.recipe: 'delayed' keeps no amax state for the dense prefix blocks "
+                          f"that run before the pipeline stages (model.first_k_dense_replace = "
+                          f"{k}); use 'current' or 'rowwise', or mesh.pipeline = 1")
+    if m.is_moe and not m.expert_parallel and cfg.mesh.data > 1 and cfg.mesh.tensor > 1:
+        raise ConfigError("model.expert_parallel: the dense fallback (experts sharded over "
+                          "`data` under GSPMD) fails XLA's SPMD partitioner inside the "
+                          "pipeline's shard_map when mesh.tensor > 1; set expert_parallel=True")

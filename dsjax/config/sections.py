@@ -1,0 +1,241 @@
+"""The config sections: frozen dataclasses, and the only place a default lives.
+
+A config file (`configs/NAME.py`) starts from these defaults (`dsjax.config.defaults()`) and sets
+only what differs, so a value written in a config file is always a choice that config makes.
+Fields without a default (the model's shape) must be set by every config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int  # decoder blocks (scanned)
+    hidden_size: int  # model width D
+    num_heads: int  # query heads H
+    num_kv_heads: int  # key/value heads (< num_heads: grouped-query attention)
+    mlp_dim: int  # SwiGLU hidden width F of the dense MLP
+    vocab_size: int  # embedding rows (pad it so it divides mesh.tensor)
+    head_dim: int = 0  # 0 means hidden_size // num_heads
+    rope_theta: float = 10000.0  # rotary base
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.02  # normal init std of every matrix (HF: initializer_range)
+    # DeepSeek-V2/V3 (docs/moe.md). Every default means "off": standard attention, dense MLP.
+    attention: str = "mha"  # mha (grouped-query, DeepSeek-LLM) | mla (latent attention, V2 §2.1)
+    q_lora_rank: int = 0  # mla: query compression rank; 0 = one plain q projection
+    kv_lora_rank: int = 0  # mla: width of the compressed KV latent
+    qk_nope_head_dim: int = 0  # mla: per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # mla: per-head query/key dims with decoupled RoPE (shared key)
+    v_head_dim: int = 0  # mla: per-head value dim
+    rope_scaling: str = "none"  # mla: none | yarn (frequency interpolation, long context)
+    rope_factor: float = 1.0  # yarn: context extension factor
+    rope_original_max_len: int = 0  # yarn: the pretraining context length
+    rope_beta_fast: float = 32.0  # yarn: ramp boundary in rotations (extrapolate above)
+    rope_beta_slow: float = 1.0  # yarn: ramp boundary in rotations (interpolate below)
+    rope_mscale: float = 1.0  # yarn: RoPE'd q/k scale mscale(factor, this) / mscale(.., all_dim)
+    rope_mscale_all_dim: float = 0.0  # yarn: softmax scale *= mscale(factor, this)^2; 0 = off
+    n_routed_experts: int = 0  # MoE: routed experts per MoE layer; 0 = dense everywhere
+    n_shared_experts: int = 0  # MoE: shared experts (one SwiGLU of n_shared * moe_intermediate)
+    moe_intermediate_size: int = 0  # MoE: hidden width of one expert
+    num_experts_per_tok: int = 0  # MoE: routed experts per token (top-k)
+    n_group: int = 1  # MoE: expert groups of group-limited routing (1 = unlimited)
+    topk_group: int = 1  # MoE: groups a token may route to
+    routed_scaling_factor: float = 1.0  # MoE: multiplier of the routed experts' output
+    scoring: str = "softmax"  # MoE router: softmax (V2) | sigmoid + correction bias (V3)
+    norm_topk_prob: bool = False  # MoE: normalise the top-k weights to sum to 1
+    first_k_dense_replace: int = 0  # MoE: the first k layers keep the dense MLP (mlp_dim)
+    aux_loss_alpha: float = 0.0  # MoE balance loss weight (per sequence, V2/V3 form); 0 = off
+    bias_update_speed: float = 0.001  # sigmoid: aux-loss-free bias step gamma (V3 §2.1.2); 0 = off
+    expert_parallel: bool = False  # MoE: all-to-all dispatch, experts over the "expert" axis
+    capacity_factor: float = 0.0  # MoE: slots per expert = factor * tokens * k / E; 0 = dropless
+    num_mtp_layers: int = 0  # multi-token prediction modules (V3 §2.2); 0 = off
+    mtp_loss_weight: float = 0.3  # MTP: weight of the mean MTP loss in the training loss
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1  # data-parallel size (data * tensor * pipeline = the device count)
+    tensor: int = 1  # tensor-parallel size (heads, MLP, vocab)
+    pipeline: int = 1  # pipeline stages (docs/pipeline.md)
+    fsdp: bool = False  # also shard parameters and optimizer state over `data` (ZeRO-3 style)
+    # Topology (docs/multihost.md): which axes span hosts. `tensor` never does; a host is a
+    # process (or, with fewer processes than hosts, a block of one process's devices).
+    dcn_data: int = 0  # hosts the data axis spans; 0: every process is a host, data spans all
+    dcn_pipeline: int = 1  # hosts the pipeline axis spans (only when data cannot cover them)
+    xla_profile: str = "none"  # XLA flags set before JAX starts: none | overlap (runtime/xla_flags.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    seq_len: int = 256  # tokens per row
+    global_batch: int = 8  # rows per step across all devices (batch.ladder's starting size)
+    source: str = "stdlib"  # stdlib (the Python standard library's .py files) | prepared
+    path: str = ""  # prepared: the `dsjax.data.prepare` directory; stdlib: corpus cache
+                    # ("" = WORKDIR/data/stdlib)
+    tokenizer: str = "byte"  # byte-level tokens (a prepared split records its own tokenizer)
+    eval_batches: int = 8  # held-out batches per evaluation
+    prefetch: int = 2  # batches prefetched by Grain
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    log_every: int = 10  # steps between progress lines / metrics.jsonl records
+    seed: int = 0  # init and data-order seed
+    compute_dtype: str = "float32"  # float32 | bfloat16 | float16 | fp8 (master weights float32)
+    eval_every: int = 0  # steps between evaluations (0: only at the end)
+    sample_prompt: str = "def "  # greedy sample prompt printed after training
+    sample_tokens: int = 64  # tokens of that sample (0: no sample)
+    nonfinite: str = "stop"  # non-finite loss/gradient: stop, or skip the step (float16 always
+                             # skips and halves its loss scale)
+    max_consecutive_skips: int = 10  # then stop anyway
+    loss_scale_init: float = 32768.0  # float16 dynamic loss scale: start
+    loss_scale_growth: int = 2000  # float16: double the scale after this many finite steps
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # adamw | onebit_adam
+    lr: float = 3e-4  # peak learning rate (at batch.reference_batch)
+    warmup_steps: int = 100  # linear warmup steps, then cosine decay
+    min_lr_ratio: float = 0.1  # cosine decays to lr * this
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon
+    weight_decay: float = 0.1  # decoupled weight decay (not on norms)
+    clip_norm: float = 1.0  # global-norm gradient clipping (0 = off)
+    # 1-bit Adam only (name = "onebit_adam"; Tang et al. 2021, DeepSpeed's OnebitAdam):
+    freeze_step: int = 0  # exact Adam steps before v freezes and compression starts (>= 1;
+                          # configs set ~20% of train.steps)
+    bucket_mb: float = 0.0  # MiB of momentum per compressed all-reduce; 0: one per tensor
+    bias_correction: bool = False  # Adam's bias correction (DeepSpeed: off)
+    error_feedback: bool = True  # carry each step's compression error into the next
+    compress: str = "update"  # what the 1-bit all-reduce carries: update (m / sqrt(v)) | momentum
+    refresh_every: int = 10  # after the freeze every N-th step is exact and updates v (0: never,
+                             # DeepSpeed); 10, as every config had: docs/onebit.md measures
+                             # +8.2% (0) vs +0.5% (10) over AdamW's held-out loss on cpu_tiny
+    refresh_catchup: bool = True  # a refresh weighs g^2 as the N steps since the last (1 - b2^N)
+    update_bound: bool = True  # after the freeze clip |m / sqrt(v)| to exact Adam's bound
+    hierarchical: bool = False  # exact mean inside a host, 1-bit across hosts (mesh.dcn_data)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    recipe: str = "current"  # current | delayed | rowwise (used when train.compute_dtype = fp8)
+    history_len: int = 1024  # delayed: amax history length
+    margin: float = 0.0  # delayed: scale headroom, in powers of two
+    matmuls: str = "q,k,v,o,gate,up,down"  # projections that run as fp8 GEMMs
+    keep_first_layers: int = 0  # the first N decoder layers stay in other_dtype
+    keep_last_layers: int = 0  # the last N decoder layers stay in other_dtype
+    other_dtype: str = "bfloat16"  # everything not in fp8 (embedding, head, attention core)
+
+    @property
+    def matmul_names(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.matmuls.split(",") if m.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+    policy: str = "none"  # see dsjax/remat.py; "auto" picks one under memory_budget_gb
+    layers: str = "all"   # all | every_N | one policy per layer, comma-separated
+    memory_budget_gb: float = 0.0  # "auto" only: per-device budget for temporaries (0 = 90% of
+                                   # the device's memory where it reports it)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    # dsjax/pipeline/; used when mesh.pipeline > 1 (docs/pipeline.md).
+    schedule: str = "1f1b"  # gpipe | circular | 1f1b; 1f1b, as every pipelined config had:
+                            # activation memory flat in the microbatch count (float16 needs
+                            # gpipe or circular)
+    microbatches: int = 1  # per step; a multiple of mesh.pipeline
+    repeats: int = 1  # circular: layer chunks per stage (interleaved); 1 for gpipe and 1f1b
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    # Dynamic batch size (dsjax/batching/, docs/batching.md).
+    policy: str = "fixed"  # fixed | ramp | adaptive
+    ladder: str = ""  # allowed global batch sizes, comma-separated ("" = data.global_batch only)
+    reference_batch: int = 0  # the global batch optim.lr is tuned for (0 = data.global_batch)
+    lr_scaling: str = "sqrt"  # lr x (batch / reference_batch) ** p: none p=0, linear 1, sqrt 1/2
+    micro_batch: int = 0  # rows per data-parallel replica per micro-step (0 = largest that fits)
+    mem_fraction: float = 0.9  # memory budget as a fraction of device memory (micro-batch choice,
+                               # adaptive's threshold)
+    device_memory_gb: float = 0.0  # per-device memory (0 = the device's own limit; none on CPU)
+    ramp: str = ""  # ramp: "tokens:batch,..." points, linear between, snapped down to the ladder
+    grow: float = 1.5  # adaptive: grow factor (snapped down to the ladder, at least one rung)
+    shrink: float = 0.8  # adaptive: shrink factor (snapped down to the ladder, at least one rung)
+    target_step_ms: float = 0.0  # adaptive: grow only while steps are faster (0 = no time rule)
+    patience: int = 3  # adaptive: agreeing readings before a change; ramp: steps of lookahead
+    cooldown: int = 10  # adaptive: steps after a change before the next one can happen
+
+    def sizes(self, global_batch: int) -> tuple[int, ...]:
+        """The ladder, ascending ("" = just `global_batch`). ValueError if unparsable."""
+        sizes = [int(s) for s in self.ladder.split(",") if s.strip()]
+        return tuple(sorted(set(sizes))) if sizes else (global_batch,)
+
+    @property
+    def ramp_points(self) -> tuple[tuple[float, int], ...]:
+        """((tokens seen, batch), ...) from `ramp`. ValueError if unparsable."""
+        points = []
+        for item in (s.strip() for s in self.ramp.split(",")):
+            if item:
+                tokens, batch = item.split(":")
+                points.append((float(tokens), int(batch)))
+        return tuple(points)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (0: only at the end)
+    keep: int = 3  # checkpoints kept
+    async_save: bool = True  # save in the background
+    init_from: str = ""  # an Orbax checkpoint dir (e.g. from `dsjax.convert`) to start a fresh run from
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    peak_flops_per_device: float = 0.0  # 0: look up the device kind, or measure on CPU
+    tensorboard: bool = True  # write tensorboard/ event files
+    profile_every: int = 0  # trace one step every N steps for the communication share (0 = off)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    model: ModelConfig
+    mesh: MeshConfig
+    data: DataConfig
+    train: TrainConfig
+    optim: OptimConfig
+    fp8: FP8Config
+    remat: RematConfig
+    pipeline: PipelineConfig
+    batch: BatchConfig
+    checkpoint: CheckpointConfig
+    metrics: MetricsConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# section name -> its dataclass, in Config's order
+SECTIONS: dict[str, type] = {key: cls for key, cls in typing.get_type_hints(Config).items()
+                             if key != "name"}

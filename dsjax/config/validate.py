@@ -1,0 +1,273 @@
+"""Validation of a `Config`: each section's own values, then what does not combine.
+
+The one idea: every check that can run before JAX touches a device runs here, and every failure is
+a `ConfigError` whose message starts with the dotted name of the offending field. A section's
+check covers its values and how they must divide sizes other sections set; a rule that two
+features cannot be on together lives in `compositions` (compositions.py), with its reason. Checks
+that need the device count live in `sharding.py` and raise the same error type.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dsjax import remat
+from dsjax.config.compositions import compositions
+from dsjax.config.sections import Config, ModelConfig
+from dsjax.errors import ConfigError, one_of
+from dsjax.runtime import xla_flags
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
+FP8_RECIPES = ("current", "delayed", "rowwise")
+FP8_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
+FP8_OTHER_DTYPES = ("float32", "bfloat16", "float16")
+NONFINITE_POLICIES = ("stop", "skip")
+OPTIMIZERS = ("adamw", "onebit_adam")
+ONEBIT_COMPRESS = ("update", "momentum")  # 1-bit Adam: m / (sqrt(v) + eps), or m (DeepSpeed)
+DATA_SOURCES = ("stdlib", "prepared")
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
+BATCH_POLICIES = ("fixed", "ramp", "adaptive")
+LR_SCALINGS = ("none", "linear", "sqrt")
+ATTENTION_KINDS = ("mha", "mla")
+ROPE_SCALINGS = ("none", "yarn")
+MOE_SCORINGS = ("softmax", "sigmoid")
+
+
+def _bounds(section: str, values: object, positive: str = "", non_negative: str = "") -> None:
+    """`section.field: must be > 0` (or >= 0) for each field named, space-separated."""
+    for key in positive.split():
+        if getattr(values, key) <= 0:
+            raise ConfigError(f"{section}.{key}: must be > 0, got {getattr(values, key)}")
+    for key in non_negative.split():
+        if getattr(values, key) < 0:
+            raise ConfigError(f"{section}.{key}: must be >= 0, got {getattr(values, key)}")
+
+
+def validate(cfg: Config) -> None:
+    """Device-independent checks. Mesh-vs-devices checks are in `sharding.validate_mesh`."""
+    validate_model(cfg)
+    validate_mesh(cfg)
+    validate_data(cfg)
+    validate_train(cfg)
+    validate_fp8(cfg)
+    validate_optim(cfg)
+    validate_remat(cfg)
+    validate_pipeline(cfg)
+    validate_batch(cfg)
+    _bounds("checkpoint", cfg.checkpoint, positive="keep", non_negative="every")
+    if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
+        raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
+    _bounds("metrics", cfg.metrics, non_negative="peak_flops_per_device profile_every")
+    compositions(cfg)
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    _bounds("model", m, positive="num_layers hidden_size num_heads num_kv_heads mlp_dim vocab_size "
+            "rope_theta norm_eps init_std", non_negative="head_dim")
+    if m.head_dim == 0 and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.num_heads: hidden_size {m.hidden_size} is not divisible by "
+                          f"num_heads {m.num_heads}; set model.head_dim explicitly")
+    if m.resolved_head_dim % 2:
+        raise ConfigError(f"model.head_dim: rotary embeddings need an even head dim, got "
+                          f"{m.resolved_head_dim}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_kv_heads: num_heads {m.num_heads} is not a multiple of "
+                          f"num_kv_heads {m.num_kv_heads}")
+    validate_deepseek(m)
+    if m.expert_parallel and m.n_routed_experts % cfg.mesh.data:
+        raise ConfigError(f"model.n_routed_experts: {m.n_routed_experts} experts cannot be split "
+                          f"over mesh.data {cfg.mesh.data} (model.expert_parallel)")
+
+
+def validate_deepseek(m: ModelConfig) -> None:
+    """MLA, MoE and MTP fields (DeepSeek-V2/V3); all off by default. Needs only the model section
+    (`dsjax.convert` checks a Hugging Face config with it)."""
+    one_of("model.attention", m.attention, ATTENTION_KINDS, "kind")
+    _bounds("model", m, positive="routed_scaling_factor",
+            non_negative="q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
+            "rope_original_max_len rope_mscale rope_mscale_all_dim n_routed_experts "
+            "n_shared_experts moe_intermediate_size num_experts_per_tok first_k_dense_replace "
+            "aux_loss_alpha bias_update_speed capacity_factor num_mtp_layers mtp_loss_weight")
+    if m.attention == "mla":
+        _bounds("model", m, positive="kv_lora_rank qk_rope_head_dim v_head_dim")
+        if m.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim: rotary embeddings need an even dim, got "
+                              f"{m.qk_rope_head_dim}")
+    one_of("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS, "scaling")
+    if m.rope_scaling == "yarn" and m.attention == "mla":  # with mha: compositions() says why not
+        _bounds("model", m, positive="rope_factor rope_original_max_len rope_beta_fast "
+                "rope_beta_slow")
+    one_of("model.scoring", m.scoring, MOE_SCORINGS, "router scoring")
+    if m.n_routed_experts:
+        _bounds("model", m, positive="moe_intermediate_size num_experts_per_tok n_group topk_group")
+        if m.num_experts_per_tok > m.n_routed_experts:
+            raise ConfigError(f"model.num_experts_per_tok: {m.num_experts_per_tok} exceeds "
+                              f"n_routed_experts {m.n_routed_experts}")
+        if m.n_routed_experts % m.n_group:
+            raise ConfigError(f"model.n_group: n_routed_experts {m.n_routed_experts} is not "
+                              f"divisible by n_group {m.n_group}")
+        if m.topk_group > m.n_group:
+            raise ConfigError(f"model.topk_group: {m.topk_group} exceeds n_group {m.n_group}")
+        if m.topk_group * (m.n_routed_experts // m.n_group) < m.num_experts_per_tok:
+            raise ConfigError(f"model.topk_group: {m.topk_group} groups of "
+                              f"{m.n_routed_experts // m.n_group} experts cannot hold "
+                              f"num_experts_per_tok {m.num_experts_per_tok}")
+        if m.scoring == "sigmoid" and m.n_group > 1 and m.n_routed_experts // m.n_group < 2:
+            raise ConfigError("model.n_group: sigmoid routing scores a group by its top-2 "
+                              "experts; groups need at least 2 experts")
+        if m.first_k_dense_replace > m.num_layers:
+            raise ConfigError(f"model.first_k_dense_replace: {m.first_k_dense_replace} exceeds "
+                              f"num_layers {m.num_layers}")
+
+
+def validate_mesh(cfg: Config) -> None:
+    _bounds("mesh", cfg.mesh, positive="data tensor pipeline dcn_pipeline", non_negative="dcn_data")
+    for key in ("data", "pipeline"):
+        hosts = getattr(cfg.mesh, f"dcn_{key}")
+        if hosts and getattr(cfg.mesh, key) % hosts:
+            raise ConfigError(f"mesh.dcn_{key}: mesh.{key} {getattr(cfg.mesh, key)} must split "
+                              f"evenly over the {hosts} hosts it spans")
+    one_of("mesh.xla_profile", cfg.mesh.xla_profile, xla_flags.PROFILES, "profile")
+
+
+def validate_data(cfg: Config) -> None:
+    d = cfg.data
+    _bounds("data", d, positive="seq_len global_batch eval_batches", non_negative="prefetch")
+    one_of("data.source", d.source, DATA_SOURCES, "source")
+    if d.source == "prepared" and not d.path:
+        raise ConfigError("data.path: required when data.source='prepared' (a directory written by "
+                          "`python -m dsjax.data.prepare`)")
+    if d.global_batch % cfg.mesh.data:
+        raise ConfigError(f"data.global_batch: {d.global_batch} is not divisible by mesh.data "
+                          f"{cfg.mesh.data}")
+
+
+def validate_train(cfg: Config) -> None:
+    t = cfg.train
+    _bounds("train", t, positive="steps log_every max_consecutive_skips loss_scale_init "
+            "loss_scale_growth", non_negative="eval_every sample_tokens")
+    one_of("train.nonfinite", t.nonfinite, NONFINITE_POLICIES, "policy")
+    one_of("train.compute_dtype", t.compute_dtype, COMPUTE_DTYPES, "dtype")
+
+
+def validate_fp8(cfg: Config) -> None:
+    f = cfg.fp8
+    one_of("fp8.recipe", f.recipe, FP8_RECIPES, "recipe")
+    _bounds("fp8", f, positive="history_len", non_negative="keep_first_layers keep_last_layers")
+    for name in f.matmul_names:
+        one_of("fp8.matmuls", name, FP8_MATMULS, "matmul")
+    if f.keep_first_layers + f.keep_last_layers > cfg.model.num_layers:
+        raise ConfigError(f"fp8.keep_first_layers: keep_first_layers + keep_last_layers = "
+                          f"{f.keep_first_layers + f.keep_last_layers} exceeds model.num_layers "
+                          f"{cfg.model.num_layers}")
+    one_of("fp8.other_dtype", f.other_dtype, FP8_OTHER_DTYPES, "dtype")
+
+
+def validate_optim(cfg: Config) -> None:
+    o = cfg.optim
+    one_of("optim.name", o.name, OPTIMIZERS, "optimizer")
+    _bounds("optim", o, positive="lr eps",
+            non_negative="warmup_steps weight_decay clip_norm bucket_mb")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optim.{key}: must be in [0, 1), got {getattr(o, key)}")
+    one_of("optim.compress", o.compress, ONEBIT_COMPRESS, "mode")
+    if o.refresh_every < 0 or o.refresh_every == 1:
+        raise ConfigError(f"optim.refresh_every: 0 (v stays frozen) or >= 2 (every N-th step after "
+                          f"the freeze is exact Adam), got {o.refresh_every}")
+    if o.name == "onebit_adam":
+        if not 1 <= o.freeze_step < cfg.train.steps:
+            raise ConfigError(f"optim.freeze_step: 1-bit Adam needs 1 <= freeze_step < train.steps "
+                              f"= {cfg.train.steps} (exact Adam steps before compression, e.g. 20% "
+                              f"of them), got {o.freeze_step}")
+        if o.update_bound and not o.b1 < o.b2 ** 0.5:
+            raise ConfigError(f"optim.update_bound: needs b1 < sqrt(b2) (Adam's update has no "
+                              f"bound otherwise), got b1={o.b1}, b2={o.b2}; or set "
+                              f"optim.update_bound=False")
+
+
+def validate_remat(cfg: Config) -> None:
+    if cfg.remat.policy != "auto":
+        try:
+            remat.layer_policies(cfg.remat.policy, cfg.remat.layers, cfg.model.num_layers)
+        except remat.RematError as e:
+            raise ConfigError(str(e)) from None
+    _bounds("remat", cfg.remat, non_negative="memory_budget_gb")
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """The pipeline section, and what must hold for the layers to split into stages."""
+    p, S = cfg.pipeline, cfg.mesh.pipeline
+    one_of("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES, "schedule")
+    _bounds("pipeline", p, positive="microbatches repeats")
+    if S == 1:
+        return
+    m = cfg.model
+    # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline/).
+    k = m.first_k_dense_replace if m.is_moe else 0
+    # repeats > 1 belongs to circular only (compositions() says so); split as the schedule will
+    L, R = m.num_layers - k, p.repeats if p.schedule == "circular" else 1
+    if L % (S * R):
+        what = f"{L} MoE layers (after {k} dense)" if k else f"{L} layers"
+        raise ConfigError(f"model.num_layers: {what} do not split into mesh.pipeline x "
+                          f"pipeline.repeats = {S} x {R} equal chunks")
+    if p.microbatches % S:
+        raise ConfigError(f"pipeline.microbatches: {p.microbatches} is not a multiple of "
+                          f"mesh.pipeline {S} (every stage needs work in the steady state)")
+    if cfg.data.global_batch % (cfg.mesh.data * p.microbatches):
+        raise ConfigError(f"data.global_batch: {cfg.data.global_batch} is not divisible by "
+                          f"mesh.data x pipeline.microbatches = {cfg.mesh.data} x "
+                          f"{p.microbatches}")
+    if cfg.batch.micro_batch % p.microbatches:
+        raise ConfigError(f"batch.micro_batch: {cfg.batch.micro_batch} rows per replica do not "
+                          f"split into pipeline.microbatches {p.microbatches}")
+
+
+def validate_batch(cfg: Config) -> None:
+    """The `batch` section (dynamic batch size, dsjax/batching/)."""
+    b, g, data = cfg.batch, cfg.data.global_batch, cfg.mesh.data
+    one_of("batch.policy", b.policy, BATCH_POLICIES, "policy")
+    _bounds("batch", b, positive="patience", non_negative="reference_batch micro_batch "
+            "device_memory_gb target_step_ms cooldown")
+    try:
+        sizes = b.sizes(g)
+    except ValueError:
+        raise ConfigError(f"batch.ladder: expected comma-separated integers, got {b.ladder!r}"
+                          ) from None
+    bad = [s for s in sizes if s <= 0 or s % data]
+    if bad:
+        raise ConfigError(f"batch.ladder: every size must be a positive multiple of mesh.data "
+                          f"{data}; {bad[0]} is not")
+    if g not in sizes:
+        raise ConfigError(f"batch.ladder: must contain data.global_batch {g} (the size a run "
+                          f"starts at), got {b.ladder!r}")
+    one_of("batch.lr_scaling", b.lr_scaling, LR_SCALINGS, "rule")
+    if b.micro_batch:
+        bad = [s for s in sizes if (s // data) % b.micro_batch]
+        if bad:
+            raise ConfigError(f"batch.micro_batch: {b.micro_batch} rows per data-parallel "
+                              f"replica must divide every ladder size / mesh.data; "
+                              f"{bad[0]} / {data} = {bad[0] // data} is not divisible")
+    if not 0 < b.mem_fraction <= 1:
+        raise ConfigError(f"batch.mem_fraction: must be in (0, 1], got {b.mem_fraction}")
+    if b.grow <= 1:
+        raise ConfigError(f"batch.grow: must be > 1, got {b.grow}")
+    if not 0 < b.shrink < 1:
+        raise ConfigError(f"batch.shrink: must be in (0, 1), got {b.shrink}")
+    try:
+        points = b.ramp_points
+    except ValueError:
+        raise ConfigError(f"batch.ramp: expected 'tokens:batch,...' (e.g. '0:512,1e9:2048'), "
+                          f"got {b.ramp!r}") from None
+    if b.policy == "ramp" and not points:
+        raise ConfigError("batch.ramp: policy 'ramp' needs a schedule of 'tokens:batch' points, "
+                          "e.g. '0:512,1e9:2048'")
+    for i, (tokens, batch) in enumerate(points):
+        if batch not in sizes:
+            raise ConfigError(f"batch.ramp: batch {batch} is not on batch.ladder {sizes}")
+        if tokens < 0 or (i and tokens < points[i - 1][0]):
+            raise ConfigError(f"batch.ramp: token counts must be >= 0 and non-decreasing, got "
+                              f"{b.ramp!r}")
