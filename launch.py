@@ -7,16 +7,23 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+# None of these imports JAX: the XLA flags and the simulated device count must be set first.
+from dsjax.config import ConfigError, check_command_line, from_config_dict, run_name
+from dsjax.errors import USER_ERRORS
+from dsjax.runtime import distributed, xla_flags
+from dsjax.runtime.cpu_devices import ensure_cpu_devices
+from dsjax.runtime.logs import quiet_library_logs
+from dsjax.runtime.preemption import parse_duration
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _DEFAULT_CONFIG = os.path.join(_HERE, "configs", "cpu_tiny.py")
 
 
-def _check_command_line() -> None:
-    """ml_collections reads --config and its overrides while flags are being defined, and reports
-    a bad one with a traceback; check them first and say what is wrong in one line."""
-    from dsjax.config import ConfigError, check_command_line
+def _read_command_line():
+    """Reads the config file once and checks the overrides, saying what is wrong in one line
+    (ml_collections reports a bad file or key with a traceback)."""
     try:
-        check_command_line(sys.argv[1:], _DEFAULT_CONFIG)
+        return check_command_line(sys.argv[1:], _DEFAULT_CONFIG)
     except ConfigError as e:
         if "--verbose" in sys.argv:
             raise
@@ -24,9 +31,12 @@ def _check_command_line() -> None:
         sys.exit(2)
 
 
-_check_command_line()
-config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
-                                "Config file (configs/NAME.py[:ARG]).", lock_config=True)
+_COMMAND_LINE = _read_command_line()
+_ARGV = sys.argv[:1] + _COMMAND_LINE.argv  # --config is read: ml_collections gets the dict
+config_flags.DEFINE_config_dict("config", _COMMAND_LINE.raw, "Config file (configs/NAME.py[:ARG]); "
+                                "then --config.SECTION.FIELD=VALUE overrides any field.",
+                                lock_config=True, sys_argv=_ARGV)
+flags.FLAGS["config"].default_as_str = repr(_COMMAND_LINE.config)  # --help: the file, not the dict
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "Train (then evaluate) or only evaluate.")
 flags.DEFINE_string("coordinator", None, "Multi-process: HOST:PORT of process 0's coordinator "
@@ -45,8 +55,6 @@ FLAGS = flags.FLAGS
 
 
 def _max_runtime_s() -> float:
-    from dsjax.config import ConfigError
-    from dsjax.runtime.preemption import parse_duration
     if FLAGS.max_runtime is None:
         return 0.0
     try:
@@ -62,12 +70,7 @@ def main(argv):
     del argv
     if not FLAGS.verbose:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
-    config_arg = flags.FLAGS["config"].config_filename
-    from dsjax.runtime import distributed, xla_flags
-    from dsjax.runtime.cpu_devices import ensure_cpu_devices
-    from dsjax.config import from_config_dict
-    path, _, arg = config_arg.partition(":")
-    name = os.path.splitext(os.path.basename(path))[0] + (f":{arg}" if arg else "")
+    name = run_name(_COMMAND_LINE.config)
     try:
         cfg = from_config_dict(FLAGS.config, name=name)
         xla_flags.apply(cfg.mesh.xla_profile)  # XLA reads XLA_FLAGS once, at backend start
@@ -76,23 +79,22 @@ def main(argv):
         if not FLAGS.local_devices:
             ensure_cpu_devices(mesh_devices, distributed.process_count(*cluster))
         distributed.maybe_initialize(*cluster, local_devices=FLAGS.local_devices)
-        from dsjax import metrics, sharding
+        # Local: these import JAX, which may start only now that XLA_FLAGS is final.
+        import jax  # pylint: disable=g-import-not-at-top
+        from dsjax import metrics, sharding  # pylint: disable=g-import-not-at-top
         metrics.log(distributed.describe_layout(sharding.make_mesh(cfg)))
         metrics.log(xla_flags.summary(cfg.mesh.xla_profile))
         workdir = FLAGS.workdir or os.path.join("runs", name.replace(":", "_"))
         if not FLAGS.verbose:
-            from dsjax.runtime.logs import quiet_library_logs
-            import jax
             quiet_library_logs(workdir, jax.process_index())
         if FLAGS.mode == "train":
-            from dsjax import train
+            from dsjax import train  # pylint: disable=g-import-not-at-top  (imports JAX)
             train.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback,
                       max_runtime_s=_max_runtime_s())
         else:
-            from dsjax import evaluate
+            from dsjax import evaluate  # pylint: disable=g-import-not-at-top  (imports JAX)
             evaluate.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback)
     except Exception as e:  # pylint: disable=broad-except
-        from dsjax.errors import USER_ERRORS
         if FLAGS.verbose or not isinstance(e, USER_ERRORS):
             raise
         print(f"dsjax: error: {e}", file=sys.stderr)
@@ -103,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, argv=_ARGV)
