@@ -12,6 +12,14 @@ import threading
 import traceback
 
 
+class _QuietHandler(logging.StreamHandler):
+    """A log file that cannot be written (the disk the run fills up holds it too) drops the
+    record: logging would otherwise print its own traceback over the run's one-line error."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        del record
+
+
 def quiet_library_logs(workdir: str, process_index: int = 0) -> str | None:
     """Routes Python logging (absl, Orbax, asyncio) and uncaught thread exceptions to
     WORKDIR/logs/process_N.log; returns its path (None if the directory is not writable: the
@@ -22,7 +30,7 @@ def quiet_library_logs(workdir: str, process_index: int = 0) -> str | None:
         stream = open(path, "a", encoding="utf-8", buffering=1)  # pylint: disable=consider-using-with
     except OSError:
         return None
-    handler = logging.StreamHandler(stream)
+    handler = _QuietHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -30,16 +38,21 @@ def quiet_library_logs(workdir: str, process_index: int = 0) -> str | None:
     root.addHandler(handler)
     logging.getLogger("absl").propagate = True
 
+    def write(text: str) -> None:
+        try:
+            stream.write(text)
+        except OSError:  # disk full: the details are lost, the run's own message is not
+            pass
+
     def thread_hook(args):
-        stream.write(f"exception in thread {args.thread.name if args.thread else '?'}:\n" +
-                     "".join(traceback.format_exception(args.exc_type, args.exc_value,
-                                                        args.exc_traceback)))
+        write(f"exception in thread {args.thread.name if args.thread else '?'}:\n" +
+              "".join(traceback.format_exception(args.exc_type, args.exc_value,
+                                                 args.exc_traceback)))
 
     def unraisable_hook(unraisable):
-        stream.write(f"unraisable exception ({unraisable.err_msg or ''}):\n" +
-                     "".join(traceback.format_exception(unraisable.exc_type,
-                                                        unraisable.exc_value,
-                                                        unraisable.exc_traceback)))
+        write(f"unraisable exception ({unraisable.err_msg or ''}):\n" +
+              "".join(traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
+                                                 unraisable.exc_traceback)))
 
     threading.excepthook = thread_hook
     sys.unraisablehook = unraisable_hook
