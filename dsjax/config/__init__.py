@@ -14,7 +14,6 @@ from dsjax.config.sections import (SECTIONS, BatchConfig, CheckpointConfig, Conf
 from dsjax.config.validate import validate, validate_deepseek
 from dsjax.errors import ConfigError
 
-_validate_deepseek = validate_deepseek  # the old name, until dsjax/convert/ imports the new one
 
 __all__ = ["BatchConfig", "CheckpointConfig", "CommandLine", "Config", "ConfigError", "DataConfig",
            "FP8Config", "MeshConfig", "MetricsConfig", "ModelConfig", "OptimConfig",

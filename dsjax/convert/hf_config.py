@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dsjax.config import ModelConfig, _validate_deepseek
+from dsjax.config import ModelConfig, validate_deepseek
 from dsjax.convert.rules import is_deepseek_moe
-from dsjax.errors import ConfigError, ConvertError
+from dsjax.errors import ConfigError, ConvertError, unknown_choice
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -159,8 +159,8 @@ def _deepseek_config_from_hf(hf: dict, fail) -> ModelConfig:
         else:
             method = hf.get("topk_method", "greedy")
             if method not in ("greedy", "group_limited_greedy"):
-                fail("topk_method", f"{method!r} is not supported; valid: greedy, "
-                     "group_limited_greedy")
+                fail("topk_method", unknown_choice("method", method,
+                                                   ("greedy", "group_limited_greedy")))
             scoring = "softmax"
             if hf.get("scoring_func", "softmax") != "softmax":
                 fail("scoring_func", f"{hf['scoring_func']!r}: DeepseekV2 routes with softmax")
@@ -191,7 +191,7 @@ def _deepseek_config_from_hf(hf: dict, fail) -> ModelConfig:
             qk_rope_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
             num_mtp_layers=integer("num_nextn_predict_layers", 0, minimum=0) if v3 else 0,
             **yarn, **moe)
-        _validate_deepseek(cfg)
+        validate_deepseek(cfg)
     except ConfigError as e:
         fail("config", str(e))
     return cfg

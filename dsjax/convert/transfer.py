@@ -24,7 +24,7 @@ from dsjax.convert.hf_config import check_same_model, hf_config, model_config_fr
 from dsjax.convert.rules import DIM_NAMES, is_deepseek_moe, leaf_shapes, tensor_plan
 from dsjax.convert.safetensors import (DTYPES, SafetensorsCheckpoint, open_directory,
                                        write_checkpoint)
-from dsjax.errors import CheckpointError, ConvertError
+from dsjax.errors import CheckpointError, ConvertError, unknown_choice
 
 HF_CONFIG_COPY = "hf_config.json"  # the source config.json, kept beside the Orbax steps
 # Copied HF dir -> checkpoint dir -> HF dir untouched, so eval and export find the tokenizer.
@@ -255,7 +255,7 @@ def orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
     """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` loads; returns the
     weight files written. Reads the checkpoint leaf by leaf."""
     if dtype not in EXPORT_DTYPES:
-        raise ConvertError(f"--dtype: {dtype!r}; valid: {', '.join(EXPORT_DTYPES)}")
+        raise ConvertError(unknown_choice("dtype", dtype, EXPORT_DTYPES, "--dtype"))
     manager, step, steps_dir = _open_checkpoint(checkpoint, step)
     where = f"checkpoint step {step} in {steps_dir}"
     cfg = _model_from_meta(manager, step, where)
