@@ -175,7 +175,8 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
         opt_state = () if onebit else tx.init(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                           loss_scale=loss_scale, fp8_meta=variables.get(fp8.META_COLLECTION, {}),
-                          objective=objective, tx=tx, lr_fn=lr_fn, fp8_margin=cfg.fp8.margin,
+                          objective=objective, tx=tx, lr_fn=lr_fn,
+                          fp8_margin=model.fp8_policy.margin if model.fp8_policy else 0.0,
                           router_bias_speed=(cfg.model.bias_update_speed
                                              if cfg.model.scoring == "sigmoid" else 0.0))
 
