@@ -29,7 +29,7 @@ train: $(RUN_STAMP)
 # A test whose worker process dies (XLA:CPU aborting a collective after its 40 s rendezvous
 # timeout, not an assertion) runs once more on a fresh worker and is reported as a rerun;
 # assertion failures are never rerun. The cause: XLA:CPU runs independent collectives
-# concurrently, so two devices can start them in different orders (see dsjax/pipeline.py
+# concurrently, so two devices can start them in different orders (see dsjax/pipeline/one_f_one_b.py
 # `_after`, which orders 1f1b's; gpipe's backward is ordered by jax.grad, not by us).
 test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q --reruns 1 --only-rerun "crashed while running" tests

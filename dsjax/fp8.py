@@ -2,43 +2,9 @@
 delayed-scaling state, and the precision policy (`Fp8Policy`: which matmuls of which layers).
 
 The one idea: operands are cast to fp8 *before* `lax.dot_general`, which receives fp8 tensors and
-`preferred_element_type=float32`; the dequantisation scales are multiplies on the float32 result.
-XLA's GPU gemm rewriter turns that pattern into a cuBLASLt fp8 GEMM on Hopper (custom call
-`__cublas$lt$matmul$f8`; scalar scales and the output cast can fold into its epilogue). On CPU
-the same program is exact float32 arithmetic on fp8 values, so tests pin the quantisation bit for
-bit against `emulate_einsum`.
-
-Formats (Micikevicius et al. 2022, "FP8 formats for deep learning"): activations and weights in
-e4m3 (more mantissa), output gradients in e5m2 (more range). With `scale` the dequantisation
-factor (x ~= x_q * s_x):
-    forward   y  = (x_q . w_q) * (s_x s_w)          e4m3 x e4m3
-    backward  dx = (g_q . w_q) * (s_g s_w)          e5m2 x e4m3
-              dw = (g_q . x_q) * (s_g s_x)          e5m2 x e4m3
-The fp8 x_q, w_q and their scales are the residuals saved for backward (named `FP8_RESIDUAL` so a
-remat policy can keep them): half the bytes of bf16 residuals.
-
-Recipes:
-- "current" (default): per-tensor, s = amax(x) / fp8_max from the tensor itself. Stateless; costs
-  one amax reduction per operand before the cast.
-- "delayed": per-tensor, s = max(amax history of earlier steps) / fp8_max * 2**margin (Transformer
-  Engine's DelayedScaling: history 1024, margin 0, max reduction). Values beyond the range saturate.
-  Until a tensor has history (scale 0), it falls back to current scaling: a scale of 1 would flush
-  every gradient below 2**-16 to zero in e5m2.
-- "rowwise": one scale per index of the non-contracting dims (per token of x, per output column of
-  w, per row of g). Robust to outlier rows/columns. The backward GEMMs contract other dims, so x, w
-  and g are re-quantised along the other axis (x, w in the forward, as fp8 residuals).
-
-Delayed-scaling state. Each matmul owns an `Fp8Meta` (x, w, g rows of an amax history, scales, and
-the last observed amaxes) in the Flax collection `META_COLLECTION` ("fp8_meta"), outside "params",
-so the optimizer, weight decay and gradient clipping never see it. The forward reads the scales.
-The observed amaxes leave through autodiff: the custom VJP returns this step's (amax_x, amax_w,
-amax_g) as the *gradient of `Fp8Meta.amax`*, so `jax.grad` w.r.t. the meta collection yields the
-observations, and the train step writes `commit(meta, meta_grads)` back instead of applying an
-optimizer. Autodiff sums the gradients of a value used several times (a layer applied twice,
-microbatches or pipeline ticks inside one `grad`); `with_max_grad`, called inside the
-differentiated function, gives `amax` Flax's `fp32_max_grad` dtype whose gradient accumulation is a
-maximum. Across separate `grad` calls (gradient accumulation), `combine` takes the maximum; inside a
-`shard_map`, reduce the observations with `lax.pmax` over the axes that split the tensors.
+`preferred_element_type=float32`; the dequantisation scales are multiplies on the float32 result,
+a pattern XLA's GPU gemm rewriter turns into a cuBLASLt fp8 GEMM on Hopper. docs/fp8.md has the
+formats, the recipes and how the delayed-scaling state leaves through autodiff.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     # MoE experts over the data axis, as DeepSpeed-MoE and MaxText do: tokens are already split
     # over it, so the all-to-all stays inside the data-parallel group (docs/moe.md).
     ("expert", "data"),
-    ("layers", None),  # with mesh.pipeline > 1: "pipeline" (stages, dsjax/pipeline.py)
+    ("layers", None),  # with mesh.pipeline > 1: "pipeline" (stages, dsjax/pipeline/)
     ("extra_layers", None),  # stacks every stage holds whole: MoE's dense first blocks, MTP
     ("act_batch", "data"),
     ("act_seq", None),

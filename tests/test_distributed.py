@@ -1,4 +1,4 @@
-"""Multi-process runs (dsjax/distributed.py): settings detection, and 2 real processes on
+"""Multi-process runs (dsjax/runtime/distributed.py): settings detection, and 2 real processes on
 localhost that train the same losses as 1 process and leave a checkpoint a 1-process eval reads."""
 
 import dataclasses

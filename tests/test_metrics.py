@@ -1,4 +1,4 @@
-"""dsjax/metrics.py readings: the FLOPs formula against XLA's count, memory, GPU utilisation."""
+"""dsjax/metrics/ readings: the FLOPs formula against XLA's count, memory, GPU utilisation."""
 
 import sys
 import types

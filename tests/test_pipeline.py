@@ -1,4 +1,4 @@
-"""dsjax/pipeline.py: every schedule against the unpipelined single-device model (DESIGN
+"""dsjax/pipeline/: every schedule against the unpipelined single-device model (DESIGN
 invariants 1 and 5), 1F1B's flat memory, training with remat + fp8, config errors, and a
 checkpoint written with pp=2 evaluated with pp=1."""
 

@@ -21,10 +21,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax.optim.compressed_allreduce import (BucketPlan, compressed_mean, group_name,
-                                              pad_multiple, plan_buckets, tree_sq_norm,
-                                              varying_axes)
+                                              pad_multiple, plan_buckets, varying_axes)
 
-__all__ = ["OneBitAdam", "OneBitAdamState", "onebit_adam", "tree_sq_norm"]
+__all__ = ["OneBitAdam", "OneBitAdamState", "onebit_adam"]
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 

@@ -42,7 +42,7 @@ class Pipelined(StagedModel):
         gradient and aux_loss none, so any function of their sum (the training objective) has
         the exact gradient, but not the NLL alone."""
         rows = batch["inputs"].shape[0]
-        if rows % self.microbatches:  # e.g. a dynamic batch size (dsjax/batching.py) off the grid
+        if rows % self.microbatches:  # e.g. a dynamic batch size (dsjax/batching/) off the grid
             raise ConfigError(f"pipeline.microbatches: a batch of {rows} rows does not split "
                               f"into {self.microbatches} microbatches")
         count = jnp.sum(batch["weights"])

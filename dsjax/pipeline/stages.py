@@ -54,7 +54,7 @@ class StagedModel:
     schedule: str = "gpipe"
     microbatches: int = 1
     repeats: int = 1
-    typed: bool = True  # shard_map check_vma; False for fp8 (see dsjax/train.py `onebit_step`)
+    typed: bool = True  # shard_map check_vma; False for fp8 (see dsjax/train/onebit_step.py)
                         # and expert-parallel MoE (see `dsjax.pipeline.make`)
 
     @property

@@ -19,7 +19,7 @@ from dsjax.batching import accumulate, scale_updates
 from dsjax.model import moe
 from dsjax.optim import OneBitAdam
 from dsjax.optim import loss_scale as ls
-from dsjax.optim.onebit import tree_sq_norm
+from dsjax.optim.compressed_allreduce import tree_sq_norm
 from dsjax.train.step import TrainState, finish_step, finite_by_group
 
 DATA = "data"  # the mesh axis 1-bit Adam reduces over (see dsjax.sharding.MESH_AXES)
