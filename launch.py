@@ -8,7 +8,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 # None of these imports JAX: the XLA flags and the simulated device count must be set first.
-from dsjax.config import ConfigError, check_command_line, from_config_dict, run_name
+from dsjax.config import (ConfigError, check_command_line, default_workdir, from_config_dict,
+                          run_name)
 from dsjax.errors import USER_ERRORS
 from dsjax.runtime import distributed, xla_flags
 from dsjax.runtime.cpu_devices import ensure_cpu_devices
@@ -84,7 +85,7 @@ def main(argv):
         from dsjax import metrics, sharding  # pylint: disable=g-import-not-at-top
         metrics.log(distributed.describe_layout(sharding.make_mesh(cfg)))
         metrics.log(xla_flags.summary(cfg.mesh.xla_profile))
-        workdir = FLAGS.workdir or os.path.join("runs", name.replace(":", "_"))
+        workdir = FLAGS.workdir or default_workdir(name)
         if not FLAGS.verbose:
             quiet_library_logs(workdir, jax.process_index())
         if FLAGS.mode == "train":

@@ -93,6 +93,8 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"optim.bucket_mb": -1.0}, "optim.bucket_mb"),
     ({"optim.refresh_every": 1}, "optim.refresh_every"),
     ({"optim.name": "onebit_adam", "optim.b1": 0.99}, "optim.update_bound"),  # sqrt(.95) = .975
+    # One data-parallel worker: nothing for 1-bit Adam to compress.
+    ({"optim.name": "onebit_adam", "mesh.data": 1, "mesh.tensor": 4}, "mesh.data"),
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
@@ -141,3 +143,25 @@ def test_unknown_override_names_the_key_and_lists_the_valid_ones():
     path = os.path.join(ROOT, "configs", "cpu_tiny.py")
     with pytest.raises(ConfigError, match=r"^train\.stepz: unknown config key 'stepz'; valid: .*steps"):
         config_lib.check_command_line([f"--config={path}", "--config.train.stepz=3"], path)
+
+
+def test_onebit_freezing_before_the_warmup_ends_is_a_warning_the_run_prints(tmp_path):
+    """A warning, not an error: short test runs freeze early on purpose (h100_fp8:smoke)."""
+    cfg = _tiny(**{"optim.name": "onebit_adam", "optim.freeze_step": 2, "optim.warmup_steps": 5,
+                   "train.steps": 10})
+    [line] = config_lib.warnings(cfg)
+    assert line.startswith("optim.freeze_step 2 < optim.warmup_steps 5: 1-bit Adam freezes v")
+    assert config_lib.warnings(_tiny(**{"optim.name": "onebit_adam", "optim.freeze_step": 5,
+                                        "optim.warmup_steps": 5, "train.steps": 10})) == []
+    assert config_lib.warnings(_tiny(**{"optim.freeze_step": 2, "optim.warmup_steps": 5})) == []
+
+
+@pytest.mark.parametrize("name, want", [
+    ("cpu_tiny", "runs/cpu_tiny"),
+    ("h100_fp8:smoke", "runs/h100_fp8_smoke"),
+    ("cpu_tiny:../../etc", "runs/cpu_tiny_etc"),  # an ARG never leaves runs/
+    ("x:a/b c", "runs/x_a_b_c"),
+    ("..", "runs/run"),
+])
+def test_the_default_workdir_is_one_safe_directory_under_runs(name, want):
+    assert config_lib.default_workdir(name) == want

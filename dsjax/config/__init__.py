@@ -5,18 +5,17 @@ checks, compositions.py what does not combine with what, load.py files and comma
 Importing this package never imports JAX (launch.py reads the config before JAX starts).
 """
 
-from dsjax.config.compositions import compositions
-from dsjax.config.load import (CommandLine, check_command_line, defaults, from_config_dict, load,
-                               read_file, run_name)
+from dsjax.config.compositions import compositions, warnings
+from dsjax.config.load import (CommandLine, check_command_line, default_workdir, defaults,
+                               from_config_dict, load, read_file, run_name)
 from dsjax.config.sections import (SECTIONS, BatchConfig, CheckpointConfig, Config, DataConfig,
                                    FP8Config, MeshConfig, MetricsConfig, ModelConfig, OptimConfig,
                                    PipelineConfig, RematConfig, TrainConfig)
 from dsjax.config.validate import validate, validate_deepseek
 from dsjax.errors import ConfigError
 
-
 __all__ = ["BatchConfig", "CheckpointConfig", "CommandLine", "Config", "ConfigError", "DataConfig",
            "FP8Config", "MeshConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
            "PipelineConfig", "RematConfig", "SECTIONS", "TrainConfig", "check_command_line",
-           "compositions", "defaults", "from_config_dict", "load", "read_file", "run_name",
-           "validate", "validate_deepseek"]
+           "compositions", "default_workdir", "defaults", "from_config_dict", "load", "read_file",
+           "run_name", "validate", "validate_deepseek", "warnings"]

@@ -13,6 +13,19 @@ from dsjax.config.sections import Config
 from dsjax.errors import ConfigError
 
 
+def warnings(cfg: Config) -> list[str]:
+    """Settings that combine but are probably not meant (the run logs each as a warning at its
+    start; docs/onebit.md says why these are warnings and not errors)."""
+    out = []
+    o = cfg.optim
+    if o.name == "onebit_adam" and o.freeze_step < o.warmup_steps:
+        out.append(f"optim.freeze_step {o.freeze_step} < optim.warmup_steps {o.warmup_steps}: "
+                   f"1-bit Adam freezes v while the learning rate is still warming up, on "
+                   f"early gradients larger than the later ones (DeepSpeed freezes after the "
+                   f"warmup); set freeze_step >= warmup_steps unless this is a short test")
+    return out
+
+
 def compositions(cfg: Config) -> None:
     """Raises a ConfigError for the first pair of settings that does not combine."""
     m, o, f, S = cfg.model, cfg.optim, cfg.fp8, cfg.mesh.pipeline
@@ -46,6 +59,11 @@ def compositions(cfg: Config) -> None:
         raise ConfigError("mesh.fsdp: optim.name='onebit_adam' needs parameters and optimizer "
                           "state replicated over `data` (each worker compresses its own "
                           "momentum of the whole model); set mesh.fsdp=False")
+    if o.name == "onebit_adam" and cfg.mesh.data == 1:
+        # One worker: nothing to compress, and the frozen-v compressed steps only lose accuracy.
+        raise ConfigError("mesh.data: optim.name='onebit_adam' compresses the data-parallel "
+                          "gradient reduction, and mesh.data is 1 (nothing to reduce); use "
+                          "optim.name='adamw', or mesh.data >= 2")
     if o.name == "onebit_adam" and m.n_routed_experts:
         raise ConfigError("model.n_routed_experts: optim.name='onebit_adam' needs every "
                           "parameter replicated over `data`, and experts are sharded over it; "

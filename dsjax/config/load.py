@@ -93,6 +93,13 @@ def run_name(path_and_arg: str) -> str:
     return os.path.splitext(os.path.basename(path))[0] + (f":{arg}" if arg else "")
 
 
+def default_workdir(name: str) -> str:
+    """runs/<run name> with the name made one safe path component: anything but letters, digits,
+    '.', '_' and '-' (a ':' before the variant, a '/' or '..' in an ARG) becomes '_'."""
+    safe = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9._-]|\.{2,}", "_", name)).strip("._-")
+    return os.path.join("runs", safe or "run")
+
+
 def read_file(path_and_arg: str) -> ml_collections.ConfigDict:
     """Runs `configs/NAME.py[:ARG]`'s `get_config(ARG)`; ConfigError if there is no such file."""
     path, _, arg = path_and_arg.partition(":")

@@ -21,6 +21,7 @@ from dsjax import evaluate, sharding
 from dsjax import metrics as mx
 from dsjax.batching import Batcher
 from dsjax.config import Config
+from dsjax.config import warnings as config_warnings
 from dsjax.data import SampleStream
 from dsjax.data.splits import data_splits
 from dsjax.errors import TrainingError
@@ -69,6 +70,8 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     mx.log(f"dsjax: config {cfg.name} | mesh {sharding.describe(trainer.mesh)} | "
            f"{trainer.param_count:,} params | compute {cfg.train.compute_dtype} | "
            f"devices {jax.device_count()} x {jax.devices()[0].device_kind}")
+    for line in config_warnings(cfg):
+        mx.log(f"warning: {line}")
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             # Beside the sections: the XLA flags in effect (launch.py applied mesh.xla_profile).
@@ -85,13 +88,21 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     batcher = Batcher(trainer, stream, log=mx.log)
 
     checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
-                                     cfg.checkpoint.async_save, log=mx.log)
+                                     cfg.checkpoint.async_save, log=mx.log,
+                                     train_layout=resume_lib.train_layout(cfg))
     # Before anything is allocated: the first step's program (compiled once, used by the run)
     # must fit in device memory.
     first = checkpointer.usable_step(allow_fallback) or 0
     check_fits(trainer, batcher.plan(batcher.controller.size), trainer.phase_at(first))
     state, start, data_state = resume_lib.resume(checkpointer, trainer.init(), trainer.mesh,
                                                  cfg.model, allow_fallback, mx.log)
+    if data_state is not None and "batch" in data_state:
+        # The controller keeps a saved state only under the policy that wrote it; else it says
+        # why it starts fresh. The batcher then takes the cursor and the controller's state.
+        fresh = batcher.controller.set_state(data_state["batch"])
+        if fresh:
+            mx.log(f"warning: checkpoint step {start}: {fresh}")
+        data_state = {**data_state, "batch": batcher.controller.get_state()}
     if data_state is not None:
         batcher.set_state(data_state)  # the cursor, and the batch-size controller
     if start is None and cfg.checkpoint.init_from:
