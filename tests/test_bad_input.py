@@ -1,6 +1,8 @@
 """Bad input, table-driven, through real `launch.py` processes: each case must end with exit code
 2, one `dsjax: error:` line naming the field, flag or file, no traceback, and the checkpoint that
-was already in the run directory byte-for-byte unchanged."""
+was already in the run directory byte-for-byte unchanged. "Unchanged" means something only for a
+case that fails inside the run, with the checkpoint in reach (`REACH_RUN`; checked from its
+output): the others must fail before the run starts and write nothing into the run directory."""
 
 import concurrent.futures
 import hashlib
@@ -104,6 +106,12 @@ CASES = [
 ]
 
 
+# The cases that fail inside `train.run`, after the model was built (its "dsjax: config ..." line),
+# where the data is read and the checkpoint restored or saved.
+REACH_RUN = {"data_path_missing", "empty_data_file", "token_ids_beyond_vocab", "tokenizer_vs_model",
+             "checkpoint_of_another_model", "disk_full_during_save"}
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     """Runs every case (3 at a time) against a copy of a run directory that has a checkpoint."""
@@ -162,7 +170,7 @@ def outcomes(tmp_path_factory):
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=900)
         after = _tree_digest(saved) if os.path.isdir(saved) else None
-        return name, (proc, before == after)
+        return name, (proc, before == after, sorted(os.listdir(workdir)))
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         results = dict(pool.map(run, CASES))
@@ -173,7 +181,7 @@ def outcomes(tmp_path_factory):
 def test_bad_input_is_one_clear_line_and_saved_work_is_intact(outcomes, case):
     results, prepared = outcomes
     name, _, _, expected = case
-    proc, checkpoint_intact = results[name]
+    proc, checkpoint_intact, entries = results[name]
     expected = expected.replace("SHARD", prepared.get(
         {"empty_data_file": "empty_shard", "token_ids_beyond_vocab": "beyond_vocab_shard"}.get(
             name, ""), "SHARD"))
@@ -183,4 +191,8 @@ def test_bad_input_is_one_clear_line_and_saved_work_is_intact(outcomes, case):
     assert len(errors) == 1, proc.stderr[-3000:]
     assert expected in errors[0], errors[0]
     assert checkpoint_intact
+    started = "dsjax: config " in proc.stdout
+    assert started == (name in REACH_RUN), (name, proc.stdout[-2000:])
+    if not started:  # nothing of the run: no config.json, data cache, metrics or checkpoint
+        assert set(entries) <= {"checkpoints", "logs"}, entries
 
