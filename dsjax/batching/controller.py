@@ -136,9 +136,17 @@ class Controller:
     def get_state(self) -> dict[str, Any]:
         return {"size": self.size, "streak": self.streak, "direction": self.direction,
                 "since_change": self.since_change, "ceiling": self.ceiling,
-                "changes": [dataclasses.asdict(c) for c in self.changes]}
+                "changes": [dataclasses.asdict(c) for c in self.changes],
+                "policy": self.cfg.policy, "ladder": list(self.ladder)}
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any]) -> str | None:
+        """Restores a checkpoint's state (None), or keeps this run's starting state and says why:
+        a state written under another batch.policy means nothing here (its size, streak and
+        ceiling were that rule's). Under the same policy a size off the ladder is an error."""
+        policy = state.get("policy", self.cfg.policy)  # not recorded before: assume unchanged
+        if policy != self.cfg.policy:
+            return (f"the batch-size controller starts fresh at batch {self.size}: batch.policy "
+                    f"changed from {policy} to {self.cfg.policy} (the data cursor is restored)")
         if state["size"] not in self.ladder:
             raise ConfigError(f"batch.ladder: the checkpoint was written at batch size "
                               f"{state['size']}, which is not on this run's ladder "
@@ -146,3 +154,4 @@ class Controller:
         self.size, self.streak, self.direction = state["size"], state["streak"], state["direction"]
         self.since_change, self.ceiling = state["since_change"], state["ceiling"]
         self.changes = [Change(**c) for c in state.get("changes", [])]
+        return None

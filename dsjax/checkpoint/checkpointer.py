@@ -8,118 +8,35 @@ items, so a reader can take only what it needs:
              in `meta`, so a run on another data-parallel size sees the mismatch before reading
              them and starts them from zero instead (DeepSpeed resets them on every load).
   data       the data iterator position (JSON)
-  meta       the model config and step (JSON), checked before any array is read
+  meta       the model config, step and `train_layout` (JSON), checked before any array is read
 `dsjax.convert` writes `params` + `meta` only; such a checkpoint starts a run
 (`checkpoint.init_from`) but is not resumed as one.
 Restoring takes abstract arrays carrying the *target* shardings, so a checkpoint written on one
-mesh restores onto another.
-
-Crash safety (docs/reliability.md): Orbax writes a step into `N.orbax-checkpoint-tmp` and renames it
-to `N` when complete, so a process killed mid-save leaves only a temporary directory, which is
-reported and removed. Once a step is complete, dsjax *seals* it: `dsjax_manifest.json` records the
-size and CRC-32 of every file. Before a sealed step is restored its files are checked against the
-manifest, so a truncated or altered file is reported by step and path instead of restoring wrong
-values (Orbax itself notices truncation but not altered bytes).
+mesh restores onto another. The saved trees are compared with the target first (`meta`): a
+difference is a config change, never corruption, and `restore(..., sources=...)` reads only the
+`train` leaves a continuation keeps. Sealing and verification: `seal`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
 import shutil
 import threading
 import time
-import zlib
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
+from dsjax.checkpoint.meta import (check_model, find_steps, item_leaves, key_path, leaves_by_path,
+                                   mismatch, model_meta, read_meta, tree_difference)
+from dsjax.checkpoint.seal import incomplete_entries, seal, verify
 from dsjax.config import ModelConfig
 from dsjax.errors import CheckpointCorrupt, CheckpointError
 
 ITEMS = ("params", "train", "errors", "data", "meta")
-MANIFEST = "dsjax_manifest.json"
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step that is still being written
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _files(step_dir: str) -> list[str]:
-    out = []
-    for root, _, names in os.walk(step_dir):
-        out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names if n != MANIFEST]
-    return sorted(out)
-
-
-def seal(step_dir: str) -> None:
-    """Writes the manifest (size and CRC-32 of every file) of a complete step, atomically."""
-    files = {rel: [os.path.getsize(os.path.join(step_dir, rel)), _crc32(os.path.join(step_dir, rel))]
-             for rel in _files(step_dir)}
-    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": "crc32-v1", "files": files}, f)
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
-
-
-def verify(step_dir: str) -> str | None:
-    """None if the step matches its manifest (or has none: sealed steps only are checked), else
-    what is wrong, naming the file."""
-    path = os.path.join(step_dir, MANIFEST)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return f"its manifest {path} is unreadable ({e})"
-    for rel, (size, crc) in sorted(files.items()):
-        full = os.path.join(step_dir, rel)
-        if not os.path.isfile(full):
-            return f"{full} is missing"
-        if os.path.getsize(full) != size:
-            return f"{full} has {os.path.getsize(full)} bytes, {size} were written"
-        if _crc32(full) != crc:
-            return f"{full} does not match the checksum written when it was saved"
-    return None
-
-
-def incomplete_entries(directory: str) -> list[str]:
-    """Step directories a killed save left behind (Orbax ignores them when listing steps)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if TMP_SUFFIX in n)
-
-
-def find_steps(directory: str) -> tuple[str, ocp.CheckpointManager]:
-    """(the directory holding the steps, its manager) for a converted checkpoint, a run workdir
-    or its `checkpoints/` dir: the first of `directory`, `directory/checkpoints` with a step."""
-    for candidate in (directory, os.path.join(directory, "checkpoints")):
-        if os.path.isdir(candidate):
-            manager = ocp.CheckpointManager(os.path.abspath(candidate))
-            if manager.latest_step() is not None:
-                return candidate, manager
-    raise CheckpointError(f"no checkpoint found in {directory!r}")
-
-
-def read_meta(manager: ocp.CheckpointManager, step: int
-              ) -> tuple[dict[str, Any] | None, str | None]:
-    """(the `meta` item of `step`, None), or (None, why it is unreadable: "Type: message"), for
-    each caller to report in its own terms (corrupt step, fallback, conversion error)."""
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    except Exception as e:  # pylint: disable=broad-except  # Orbax raises many types
-        return None, f"{type(e).__name__}: {e}"
-    return restored["meta"], None
 
 
 def _abstract(tree: Any) -> Any:
@@ -133,47 +50,18 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def model_meta(model: ModelConfig, step: int, errors_layout: dict | None = None
-               ) -> dict[str, Any]:
-    meta = {"format": "dsjax-checkpoint-v1", "model": dataclasses.asdict(model), "step": int(step)}
-    if errors_layout is not None:
-        meta["errors_layout"] = errors_layout
-    return meta
-
-
-def check_model(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
-    """Fails with one message naming every model field that differs from the checkpoint's."""
-    saved = meta.get("model", {})
-    want = dataclasses.asdict(model)
-    shape_keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "mlp_dim", "vocab_size",
-                  "head_dim")
-    diffs = [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
-             for k in shape_keys if saved.get(k) != want[k]]
-    # MLA/MoE/MTP shape fields; checkpoints written before they existed hold the defaults (off).
-    defaults = dataclasses.asdict(ModelConfig(1, 1, 1, 1, 1, 1))
-    diffs += [f"model.{k}: checkpoint has {saved.get(k, defaults[k])!r}, config has {want[k]!r}"
-              for k in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
-                        "moe_intermediate_size", "first_k_dense_replace", "scoring",
-                        "num_mtp_layers")
-              if saved.get(k, defaults[k]) != want[k]]
-    # Not shapes, but restoring under another value silently computes a different model.
-    diffs += [f"model.{k}: checkpoint has {saved.get(k)!r}, config has {want[k]!r}"
-              for k in ("rope_theta", "norm_eps")
-              if saved.get(k) is None or not math.isclose(saved[k], want[k], rel_tol=1e-9)]
-    if diffs:
-        raise CheckpointError(f"{where} was written for a different model shape: " + "; ".join(diffs))
-
-
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` with dsjax's items, sealing and verification.
 
-    `log`: where warnings go (incomplete saves found, corrupt steps set aside)."""
+    `log`: where warnings go (incomplete saves found, corrupt steps set aside). `train_layout`:
+    this run's settings that decide the `train` item's tree (JSON), written into every step's
+    meta so a later run can name what changed."""
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, train_layout: dict | None = None):
         self.directory = os.path.abspath(directory)
         self.log = log
+        self.train_layout = train_layout
         for path in incomplete_entries(self.directory):
             log(f"warning: ignoring {path}: a checkpoint save that never finished (the process "
                 "was killed while writing it); it is removed, earlier checkpoints are intact")
@@ -262,7 +150,8 @@ class Checkpointer:
                                   "contain NaN/Inf")
         items = dict(params=ocp.args.StandardSave(params),
                      train=ocp.args.StandardSave(train),
-                     meta=ocp.args.JsonSave(model_meta(model, step, errors_layout)))
+                     meta=ocp.args.JsonSave(model_meta(model, step, errors_layout,
+                                                       self.train_layout)))
         if errors is not None:
             items["errors"] = ocp.args.StandardSave(errors)
         if data_state is not None:
@@ -283,25 +172,70 @@ class Checkpointer:
                                     f"is unreadable ({why})")
         return meta
 
-    def restore(self, step: int, params: Any, train: Any, model: ModelConfig
-                ) -> tuple[Any, Any, dict | None]:
-        """Restores onto the shardings of the given (abstract or concrete) params/train state."""
+    def saved_leaves(self, step: int, item: str) -> dict[tuple[str, ...], Any]:
+        """The leaves of `item` ("params", "train") of `step` by path, with shape and dtype, from
+        its metadata: no array is read. Unreadable metadata is corruption."""
         where = f"checkpoint step {step} in {self.directory}"
-        check_model(self.read_meta(step), model, where)
-        step_dir = os.path.join(self.directory, str(step))
-        has_data = os.path.isdir(os.path.join(step_dir, "data"))
-        items = dict(params=ocp.args.StandardRestore(_abstract(params)),
-                     train=ocp.args.StandardRestore(_abstract(train)))
-        if has_data:
-            items["data"] = ocp.args.JsonRestore()
-        if not os.path.isdir(os.path.join(step_dir, "train")):
+        if item == "train" and not os.path.isdir(os.path.join(self._step_dir(step), item)):
             raise CheckpointError(f"{where} has no optimizer state (a converted weights-only "
                                   "checkpoint?); start from it with --config.checkpoint.init_from")
+        leaves, why = item_leaves(self._step_dir(step), item)
+        if why is not None:
+            raise CheckpointCorrupt(f"{where}: the metadata of its {item} item is unreadable "
+                                    f"({why})")
+        return leaves
+
+    def restore(self, step: int, params: Any, train: Any, model: ModelConfig,
+                sources: dict[tuple[str, ...], tuple[str, ...]] | None = None
+                ) -> tuple[Any, Any, dict | None]:
+        """Restores onto the shardings of the given (abstract or concrete) params/train state.
+
+        `sources`: {train leaf path: checkpoint leaf path} of the `train` leaves to read (same
+        shape); every other leaf keeps `train`'s value, which must then be concrete (freshly
+        initialised). None: every leaf from its own path, which must match the checkpoint's
+        tree. Any mismatch is a CheckpointError naming it (a config change), found before any
+        array is read; only a file that then cannot be read is corruption."""
+        where = f"checkpoint step {step} in {self.directory}"
+        check_model(self.read_meta(step), model, where)
+        saved, here = self.saved_leaves(step, "train"), leaves_by_path(train)
+        problem = tree_difference(self.saved_leaves(step, "params"), leaves_by_path(params))
+        if problem is None and sources is None:
+            problem = tree_difference(saved, here)
+            sources = {p: p for p in here}
+        if problem is None:
+            problem = next((f"{'/'.join(p)} has no counterpart of its shape in the checkpoint"
+                            for p, q in sources.items()
+                            if q not in saved or tuple(saved[q].shape) != tuple(here[p].shape)),
+                           None)
+        if problem is not None:
+            raise mismatch(where, self.directory, problem)
+        wanted = {q: here[p] for p, q in sources.items()}  # checkpoint path -> target leaf
+
+        def target(path, _):  # the saved tree, with the target's sharding where it is read
+            leaf = wanted.get(key_path(path))
+            return (ocp.PLACEHOLDER if leaf is None else
+                    jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding))
+
+        step_dir = self._step_dir(step)
+        has_data = os.path.isdir(os.path.join(step_dir, "data"))
+        items = dict(params=ocp.args.StandardRestore(_abstract(params)))
+        if has_data:
+            items["data"] = ocp.args.JsonRestore()
+        handler = ocp.PyTreeCheckpointHandler()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # Orbax raises many types; name the checkpoint and the cause.
+            item = jax.tree_util.tree_map_with_path(target, handler.metadata(
+                epath.Path(os.path.join(step_dir, "train"))).tree)
+            read = leaves_by_path(handler.restore(
+                epath.Path(os.path.join(step_dir, "train")), args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item))))
+        except Exception as e:  # the trees match: a file that cannot be read
             raise CheckpointCorrupt(f"could not restore {where}: {type(e).__name__}: {e}") from e
-        return restored["params"], restored["train"], restored.get("data") if has_data else None
+        finally:
+            handler.close()
+        train = jax.tree_util.tree_map_with_path(
+            lambda p, x: read[sources[key_path(p)]] if key_path(p) in sources else x, train)
+        return restored["params"], train, restored.get("data") if has_data else None
 
     def restore_errors(self, step: int, errors: Any, layout: dict
                        ) -> tuple[Any | None, str | None]:
@@ -357,6 +291,12 @@ def restore_params(directory: str, params: Any, model: ModelConfig, allow_fallba
                 problem = f"its metadata is unreadable ({why})"
         if problem is None:
             check_model(meta, model, where)
+            saved, why = item_leaves(os.path.join(directory, str(step)), "params")
+            problem = None if why is None else f"its params metadata is unreadable ({why})"
+        if problem is None:
+            diff = tree_difference(saved, leaves_by_path(params))
+            if diff is not None:
+                raise CheckpointError(f"{where} does not match this model's parameters: {diff}")
             try:
                 return manager.restore(step, args=ocp.args.Composite(
                     params=ocp.args.StandardRestore(_abstract(params))))["params"]
