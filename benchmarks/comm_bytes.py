@@ -18,7 +18,6 @@ Prints a table; writes {"config", "exact_bytes" (warmup), "compressed_bytes", "r
 """
 
 import argparse
-import ast
 import math
 import os
 import sys
@@ -28,16 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402  (no JAX import yet)
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
-
-
-def _value(text: str):
-    """A command-line value as the config field expects it: 4, 0.5, true, onebit_adam."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,12 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not (arg.startswith("--config.") and "=" in arg):
             parser.error(f"unrecognized argument {arg}")
         args.override.append(arg[len("--config."):])
-    args.overrides = {}
-    for item in args.override:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--override {item}: expected SECTION.FIELD=VALUE")
-        args.overrides[key] = _value(value)
+    try:
+        args.overrides = report.parse_overrides(args.override)
+    except ValueError as e:
+        parser.error(f"--override {e}")
     return args
 
 

@@ -16,8 +16,10 @@ for its memory reading and one more step is traced for its communication share.
 Prints the recipe's table (samples/s, ms/step, MFU and GPU utilisation, memory, communication
 share; each with the candidate's change in %). Writes into --out: compare.json
 ({"baseline": {...}, "candidate": {...}, "change_pct": {...}} with samples_per_sec, step_ms, mfu,
-mem_bytes, comm_fraction as in metrics.jsonl), loss_vs_step.png, loss_vs_time.png,
-throughput.png, and profile/{baseline,candidate}/ (the traces; TensorBoard or Perfetto).
+mem_bytes, comm_fraction as in metrics.jsonl; "load_before", "load_after", "cores",
+"contended": the machine's load around the run, benchmarks/report.py), loss_vs_step.png,
+loss_vs_time.png, throughput.png, and profile/{baseline,candidate}/ (the traces; TensorBoard or
+Perfetto). A contended run prints a warning after the table.
 docs/observability.md says what each figure means and where it is weak.
 """
 
@@ -33,6 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402  (no JAX import yet)
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -207,8 +210,7 @@ def table(result: dict) -> str:
               f"MFU against {result['peak_flops_per_device']:.3g} FLOP/s per device "
               f"({result['peak_source']}); memory: {b['mem_source']}; communication share from "
               f"one traced step; medians of {len(b['rounds_step_ms'])} alternating rounds of "
-              f"{result['round_steps']} steps; load average "
-              f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f}"]
+              f"{result['round_steps']} steps; {report.describe_load(result)}"]
     return "\n".join(lines)
 
 
@@ -273,7 +275,7 @@ def main(argv=None) -> dict:
     from dsjax import sharding  # pylint: disable=import-outside-toplevel
     from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
-    load_before = os.getloadavg()[0]
+    load_before = report.load_average()
     sides = []
     for label, spec, cfg in zip(("baseline", "candidate"), (args.baseline, args.candidate),
                                 cfgs):
@@ -295,13 +297,14 @@ def main(argv=None) -> dict:
     peak, peak_source = mx.peak_flops_per_device(cfgs[0].metrics.peak_flops_per_device)
     result = {"baseline": measure(sides[0], peak, args.out),
               "candidate": measure(sides[1], peak, args.out)}
+    conditions = report.load_record(load_before)  # timed rounds and traced steps are over
     result["change_pct"] = {k: change_pct(result["baseline"][k], result["candidate"][k])
                             for k in FIGURES}
     result.update({"steps": args.steps, "round_steps": args.round, "warmup_steps": warmup,
                    "data": args.data, "device": jax.devices()[0].device_kind,
-                   "peak_flops_per_device": peak, "peak_source": peak_source,
-                   "load_average": [load_before, os.getloadavg()[0]]})
+                   "peak_flops_per_device": peak, "peak_source": peak_source, **conditions})
     print(table(result))
+    report.warn_if_contended(conditions, "compare")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         try:

@@ -19,7 +19,9 @@ the same cores, so it pays for the collectives without gaining any hardware). Af
 so machine drift hits all of them; tokens/s is the median over rounds.
 Prints a table; writes {"dsjax_tokens_per_sec" (one-device mesh), "dsjax_mesh_tokens_per_sec",
 "transformers_tokens_per_sec", "ratio" (dsjax one-device / transformers), "ratio_mesh",
-"model", ...}.
+"model", "final_loss" and "loss_history" (every step's loss, warmup included) per trainer,
+"load_before", "load_after", "cores", "contended" (benchmarks/report.py), ...}; a contended run
+prints a warning after the table: PyTorch's threads lose more than XLA's when the cores are shared.
 """
 
 import argparse
@@ -68,18 +70,22 @@ class DsjaxRunner:
         self.trainer = build_trainer(cfg, sharding.make_mesh(cfg, devices))
         self.state = self.trainer.init()
         self.batches = [self.trainer.device_batch(b) for b in host]
-        self.done, self.rounds, self.loss = 0, [], None
+        self.done, self.rounds, self.losses = 0, [], []
 
     def run(self, n: int) -> float:
         import jax  # pylint: disable=import-outside-toplevel
 
+        pending = []
         t0 = time.perf_counter()
         for _ in range(n):
             self.state, m = self.trainer.step(self.state, self.batches[self.done %
                                                                         len(self.batches)])
+            pending.append(m["loss"])
             self.done += 1
-        self.loss = float(jax.block_until_ready(m["loss"]))
-        return time.perf_counter() - t0
+        jax.block_until_ready(pending[-1])
+        dt = time.perf_counter() - t0
+        self.losses += [float(loss) for loss in pending]  # read after the clock stops
+        return dt
 
 
 class TorchRunner:
@@ -113,10 +119,11 @@ class TorchRunner:
         self.clip = o.clip_norm
         self.batches = [(torch.from_numpy(np.asarray(b["inputs"], np.int64)),
                          torch.from_numpy(np.asarray(b["targets"], np.int64))) for b in host]
-        self.done, self.rounds, self.loss = 0, [], None
+        self.done, self.rounds, self.losses = 0, [], []
 
     def run(self, n: int) -> float:
         torch = self.torch
+        pending = []
         t0 = time.perf_counter()
         for _ in range(n):
             inputs, targets = self.batches[self.done % len(self.batches)]
@@ -129,9 +136,11 @@ class TorchRunner:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
             self.opt.step()
             self.sched.step()
+            pending.append(loss.detach())
             self.done += 1
-        self.loss = float(loss.detach())
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.losses += [float(loss) for loss in pending]
+        return dt
 
 
 def main(argv=None) -> dict:
@@ -149,13 +158,13 @@ def main(argv=None) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
 
     B, S = cfg.data.global_batch, cfg.data.seq_len
+    load_before = report.load_average()
     host = host_batches(S, B, min(total, 32), args.data, args.data_dir,
                         min(cfg.model.vocab_size, 256), cfg.train.seed, packed=False)
     runners = [DsjaxRunner("dsjax (1,1,1)", one, host)]
     if mesh_devices > 1 and jax.device_count() >= mesh_devices:
         runners.append(DsjaxRunner(f"dsjax {tuple(sharding_shape(cfg))}", cfg, host))
     runners.append(TorchRunner(cfg, host, args.threads))
-    load_before = os.getloadavg()[0]
     for r in runners:
         r.run(args.warmup)
     while any(r.done < total for r in runners):
@@ -163,6 +172,7 @@ def main(argv=None) -> dict:
             n = min(args.round, total - r.done)
             if n > 0:
                 r.rounds.append(r.run(n) / n)
+    conditions = report.load_record(load_before)
 
     tokens = B * S
     rate = {r.name: tokens / statistics.median(r.rounds) for r in runners}
@@ -184,22 +194,24 @@ def main(argv=None) -> dict:
         "mesh": dict(zip(("data", "tensor", "pipeline"), sharding_shape(cfg))),
         "torch_threads": args.threads, "cpu_count": os.cpu_count(),
         # Other work on the machine slows PyTorch's OpenMP threads more than XLA's pool.
-        "load_average": [load_before, os.getloadavg()[0]],
+        **conditions,
         "versions": {"jax": jax.__version__, "torch": torch_r.torch.__version__,
                      "transformers": __import__("transformers").__version__},
         "method": "alternating rounds in one process; median tokens/s over rounds",
-        "final_loss": {r.name: r.loss for r in runners},
+        "final_loss": {r.name: r.losses[-1] for r in runners},
+        "loss_history": {r.name: r.losses for r in runners},
         "rounds_ms": {r.name: [1000 * s for s in r.rounds] for r in runners},
     }
     print(f"{'trainer':<22}{'tokens/s':>12}{'ms/step':>10}{'x transformers':>16}"
           f"{'final loss':>12}")
     for r in runners:
         print(f"{r.name:<22}{rate[r.name]:>12,.0f}{1000 * tokens / rate[r.name]:>10.1f}"
-              f"{rate[r.name] / rate[torch_r.name]:>16.2f}{r.loss:>12.3f}")
+              f"{rate[r.name] / rate[torch_r.name]:>16.2f}{r.losses[-1]:>12.3f}")
     print(f"{m.num_layers} layers x {m.hidden_size} wide, {result['model']['params']:,} params; "
           f"batch {B} x {S} tokens; {args.steps} timed steps in rounds of {args.round}; "
-          f"torch threads {args.threads} of {os.cpu_count()} cores; load average "
-          f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+          f"torch threads {args.threads} of {os.cpu_count()} cores; "
+          f"{report.describe_load(conditions)}")
+    report.warn_if_contended(conditions, "peers")
     report.write_json(args.out, result)
     return result
 

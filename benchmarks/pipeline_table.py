@@ -10,13 +10,17 @@ adds the same to every row) for every schedule and microbatch count, and reads
 `memory_analysis().temp_size_in_bytes` and the collective-permute instructions of the compiled
 HLO (static count: one in a loop body counts once). `--rows_per_microbatch N` fixes the
 microbatch size (global batch = M * N) to show how memory grows with M; by default the global
-batch stays the config's. Bubble is the schedule's analytic idle share (dsjax/pipeline.py).
+batch stays the config's. Bubble is the schedule's analytic idle share (dsjax/pipeline/).
+Circular's chunks per stage (`--repeats`) default to the config's `pipeline.repeats` when above 1,
+else the smallest R >= 2 that splits the layers evenly. A row whose config does not validate
+(layers that do not split into stages x repeats, a microbatch count the batch does not divide)
+is kept with the reason instead of figures.
 Prints a table; writes {"config": str, "rows": [{"schedule", "microbatches", "repeats",
-"temp_bytes", "collective_permutes", "bubble", ...}]}.
+"temp_bytes", "collective_permutes", "bubble", ...} or {"schedule", "microbatches", "repeats",
+"global_batch", "skipped": reason}]}.
 """
 
 import argparse
-import ast
 import dataclasses
 import os
 import re
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax import config as config_lib  # noqa: E402
+from dsjax.errors import ConfigError  # noqa: E402
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
 # The opcode, sync or async start (whose result type is a tuple), never its -done.
@@ -40,16 +45,37 @@ def _with(cfg, schedule, microbatches, repeats, global_batch):
         data=dataclasses.replace(cfg.data, global_batch=global_batch))
 
 
+def circular_repeats(cfg, microbatches: int, rows_per_microbatch: int = 0) -> int:
+    """The config's pipeline.repeats when above 1, else the smallest R >= 2 for which circular
+    validates (its chunks split the layers); 2 when none does (that row then says why)."""
+    if cfg.pipeline.repeats > 1:
+        return cfg.pipeline.repeats
+    batch = rows_per_microbatch * microbatches or cfg.data.global_batch
+    for repeats in range(2, cfg.model.num_layers + 1):
+        try:
+            config_lib.validate(_with(cfg, "circular", microbatches, repeats, batch))
+            return repeats
+        except ConfigError:
+            continue
+    return 2
+
+
 def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
             rows_per_microbatch: int = 0) -> dict:
-    """One row: compile loss + gradient of `cfg` under `schedule` on all devices."""
+    """One row: compile loss + gradient of `cfg` under `schedule` on all devices; a config that
+    does not validate gives a row with the reason ("skipped") instead."""
     import jax  # pylint: disable=g-import-not-at-top
     from dsjax import pipeline, sharding, train  # pylint: disable=g-import-not-at-top
     from dsjax.model.loss import loss_fn  # pylint: disable=g-import-not-at-top
 
     batch = rows_per_microbatch * microbatches or cfg.data.global_batch
     cfg = _with(cfg, schedule, microbatches, repeats, batch)
-    config_lib.validate(cfg)
+    try:
+        config_lib.validate(cfg)
+    except ConfigError as e:
+        return {"schedule": schedule, "microbatches": microbatches,
+                "repeats": repeats if schedule == "circular" else 1, "global_batch": batch,
+                "skipped": str(e)}
     trainer = train.build_trainer(cfg)
     state = trainer.abstract_state()
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, state.objective, b)[0]))
@@ -75,7 +101,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--schedules", default="gpipe,circular,1f1b")
     parser.add_argument("--microbatches", default="", help="comma-separated counts (default: "
                         "the config's pipeline.microbatches)")
-    parser.add_argument("--repeats", type=int, default=2, help="circular: chunks per stage")
+    parser.add_argument("--repeats", type=int, default=0, help="circular: chunks per stage "
+                        "(default: pipeline.repeats if > 1, else the smallest >= 2 that splits "
+                        "the layers)")
     parser.add_argument("--pipeline", type=int, default=0, help="override mesh.pipeline "
                         "(mesh.data shrinks to keep the device count)")
     parser.add_argument("--rows_per_microbatch", type=int, default=0,
@@ -84,13 +112,10 @@ def main(argv=None) -> dict:
                         help="config override, e.g. --set optim.name=adamw (repeatable)")
     args = parser.parse_args(argv)
 
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            overrides[key] = value
+    try:
+        overrides = report.parse_overrides(args.set)
+    except ValueError as e:
+        parser.error(f"--set {e}")
     cfg = config_lib.load(args.config, overrides)
     if args.pipeline:
         devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
@@ -105,7 +130,8 @@ def main(argv=None) -> dict:
     rows = []
     for schedule in args.schedules.split(","):
         for m in counts:
-            r = args.repeats if schedule == "circular" else 1
+            r = 1 if schedule != "circular" else (
+                args.repeats or circular_repeats(cfg, m, args.rows_per_microbatch))
             rows.append(measure(cfg, schedule, m, r, args.rows_per_microbatch))
     import jax  # pylint: disable=g-import-not-at-top
     mesh = {"data": cfg.mesh.data, "tensor": cfg.mesh.tensor, "pipeline": cfg.mesh.pipeline}
@@ -123,9 +149,12 @@ def main(argv=None) -> dict:
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['schedule']:<9} {r['microbatches']:>5} {r['repeats']:>7} "
-              f"{r['global_batch']:>5} {r['ticks']:>5} {r['temp_bytes'] / 2**20:>9.2f} "
-              f"{r['collective_permutes']:>8} {r['bubble']:>7.3f}")
+        head = f"{r['schedule']:<9} {r['microbatches']:>5} {r['repeats']:>7} {r['global_batch']:>5}"
+        if "skipped" in r:
+            print(f"{head} skipped: {r['skipped']}")
+        else:
+            print(f"{head} {r['ticks']:>5} {r['temp_bytes'] / 2**20:>9.2f} "
+                  f"{r['collective_permutes']:>8} {r['bubble']:>7.3f}")
     report.write_json(args.out, result)
     return result
 

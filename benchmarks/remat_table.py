@@ -5,6 +5,7 @@
 Compiles forward+backward of the loss on abstract inputs at the config's full width (one device,
 `--micro_batch` rows of `data.seq_len` tokens) for a few layers, and extrapolates per layer to the
 config's depth (see dsjax/remat_plan.py for why: `cost_analysis` counts a scan body once).
+`--set SECTION.FIELD=VALUE` (repeatable) changes the config, e.g. `--set model.hidden_size=256`.
 Prints a table; writes {"config", "rows": [{"policy", "layers", "temp_bytes", "flops",
 "mem_ratio", "flops_ratio", ...}]} with ratios relative to `none`.
 """
@@ -42,9 +43,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="", help="override train.compute_dtype")
     parser.add_argument("--rows", default="", help="only these policy/layers rows, e.g. "
                         "none/all,attention_core/all")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="config override, e.g. --set model.hidden_size=256 (repeatable)")
     args = parser.parse_args(argv)
 
-    cfg = config_lib.load(args.config)
+    try:
+        overrides = report.parse_overrides(args.set)
+    except ValueError as e:
+        parser.error(f"--set {e}")
+    cfg = config_lib.load(args.config, overrides)
+    name = " ".join([args.config] + [f"--set {item}" for item in args.set])
     data = dataclasses.replace(cfg.data, global_batch=args.micro_batch,
                                seq_len=args.seq_len or cfg.data.seq_len)
     train = dataclasses.replace(cfg.train, compute_dtype=args.dtype or cfg.train.compute_dtype)
@@ -68,7 +76,7 @@ def main(argv=None) -> dict:
         r["flops_ratio"] = r["flops"] / base["flops"]
         r["activation_bytes_saved_per_layer"] = (base["per_layer_temp_bytes"]
                                                  - r["per_layer_temp_bytes"])
-    result = {"config": args.config, "seq_len": cfg.data.seq_len, "micro_batch": args.micro_batch,
+    result = {"config": name, "seq_len": cfg.data.seq_len, "micro_batch": args.micro_batch,
               "compute_dtype": cfg.train.compute_dtype, "num_layers": cfg.model.num_layers,
               "backend": jax.devices()[0].platform,
               "note": "offload:* is a no-op on CPU (no pinned host memory space): it reads as "
@@ -77,7 +85,7 @@ def main(argv=None) -> dict:
                       "FLOPs from a CPU compile, memory from either.",
               "rows": rows}
 
-    print(f"{args.config}: seq {cfg.data.seq_len}, micro-batch {args.micro_batch}, "
+    print(f"{name}: seq {cfg.data.seq_len}, micro-batch {args.micro_batch}, "
           f"{cfg.train.compute_dtype}, {cfg.model.num_layers} layers, "
           f"{jax.devices()[0].platform} compile")
     header = (f"{'policy':<36} {'layers':<8} {'temp GiB':>9} {'mem':>6} {'TFLOPs':>9} "

@@ -7,12 +7,13 @@ Builds every config's trainer, then alternates rounds of `--steps` timed steps b
 machine drift hits all of them), on synthetic packed batches. `--preset 1b` swaps in a ~1.2B
 DeepSeek-architecture model on one device (the GPU suite's size); `--preset smoke` a tiny one for
 CPU. Reports medians per config and ratios to the first config; writes {"rows": [...],
-"ratios": {...}}. Memory: the device's peak bytes in use where it reports them, else the compiled
-step's memory_analysis (labelled).
+"ratios": {...}, "load_before", "load_after", "cores", "contended"} (benchmarks/report.py: the
+load average at the start and after the timed rounds; a warning when it exceeds the cores).
+Memory: the device's peak bytes in use where it reports them, else the compiled step's
+memory_analysis (labelled).
 """
 
 import argparse
-import ast
 import dataclasses
 import os
 import statistics
@@ -51,14 +52,7 @@ def _apply_preset(cfg, preset):
 def _load(spec: str):
     """`configs/NAME.py[:ARG][|section.field=value|...]`: a config plus overrides."""
     path, *pairs = spec.split("|")
-    overrides = {}
-    for pair in pairs:
-        key, _, raw = pair.partition("=")
-        try:
-            overrides[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            overrides[key] = raw
-    return load(path, overrides)
+    return load(path, report.parse_overrides(pairs))
 
 
 def main(argv=None) -> dict:
@@ -71,6 +65,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
+    load_before = report.load_average()
     cfgs = [_apply_preset(_load(c), args.preset) for c in args.config]
     ensure_cpu_devices(max(c.mesh.data * c.mesh.tensor * c.mesh.pipeline for c in cfgs))
     import jax  # pylint: disable=import-outside-toplevel
@@ -107,6 +102,7 @@ def main(argv=None) -> dict:
             jax.block_until_ready(m)
             run["times"].append((time.perf_counter() - t0) / args.steps)
             run["loss"] = float(m["loss"])
+    conditions = report.load_record(load_before)
 
     rows = []
     for run in runs:
@@ -133,7 +129,8 @@ def main(argv=None) -> dict:
                             "tokens_per_sec": r["tokens_per_sec"] / base["tokens_per_sec"]}
               for r in rows}
     result = {"preset": args.preset, "peak_flops_per_device": peak, "peak_source": peak_source,
-              "device": jax.devices()[0].device_kind, "rows": rows, "ratios": ratios}
+              "device": jax.devices()[0].device_kind, "rows": rows, "ratios": ratios,
+              **conditions}
     print(f"{'config':<32} {'dtype':<9} {'ms/step':>9} {'tok/s':>10} {'MFU':>6} "
           f"{'mem GiB':>8} {'x base':>7}")
     for r in rows:
@@ -141,7 +138,9 @@ def main(argv=None) -> dict:
         print(f"{r['config']:<32} {r['compute_dtype']:<9} {r['step_ms']:>9.1f} "
               f"{r['tokens_per_sec']:>10,.0f} {100 * r['mfu']:>5.1f}% {mem} "
               f"{ratios[r['config']]['tokens_per_sec']:>7.3f}")
-    print(f"MFU against {peak:.3g} FLOP/s per device ({peak_source})")
+    print(f"MFU against {peak:.3g} FLOP/s per device ({peak_source}); "
+          f"{report.describe_load(conditions)}")
+    report.warn_if_contended(conditions, "step_time")
     report.write_json(args.out, result)
     return result
 
