@@ -391,3 +391,34 @@ def test_a_shape_difference_is_named_with_both_shapes():
     assert not isinstance(e.value, CheckpointCorrupt)
     assert ("opt_state/1/0/mu/layers/mlp/up has shape (6, 256) in the checkpoint, (4, 256) here"
             in str(e.value)) and "init_from=DIR" in str(e.value)
+
+
+def test_continuation_restores_what_matches_and_names_each_fresh_part():
+    from dsjax.train.resume import continuation
+
+    class Leaf:
+        def __init__(self, *shape):
+            self.shape = shape
+
+    adamw = {("opt_state", "1", "0", "count"): Leaf(), ("opt_state", "1", "2", "count"): Leaf(),
+             ("opt_state", "1", "0", "mu", "embedding"): Leaf(8, 4),
+             ("opt_state", "1", "0", "nu", "embedding"): Leaf(8, 4)}
+    onebit = {("opt_state", "count"): Leaf(), ("opt_state", "mu", "embedding"): Leaf(8, 4),
+              ("opt_state", "nu", "embedding"): Leaf(8, 4)}
+    scale = {("loss_scale", "scale"): Leaf()}
+    fp8 = {("fp8_meta", "layers", "q", "amax_history"): Leaf(3, 16)}
+    old = {"optimizer": "adamw", "compute_dtype": "float16", "fp8_recipe": "current"}
+    new = {"optimizer": "onebit_adam", "compute_dtype": "fp8", "fp8_recipe": "delayed"}
+    sources, counters, notes = continuation({**adamw, **scale}, {**onebit, **scale, **fp8}, old,
+                                            new, "checkpoint step 8", "DIR")
+    assert sources == {("opt_state", "mu", "embedding"): ("opt_state", "1", "0", "mu", "embedding"),
+                       ("opt_state", "nu", "embedding"): ("opt_state", "1", "0", "nu", "embedding")}
+    assert counters == [("opt_state", "count")]
+    assert [n.split(":")[0] for n in notes] == ["fp8_meta starts fresh", "loss_scale starts fresh",
+                                                "opt_state starts fresh"], notes
+    assert "train.compute_dtype changed from float16 to fp8" in notes[1]
+    # Unchanged settings and trees: everything restores from its own path, nothing is fresh.
+    same = {**adamw, **scale}
+    assert continuation(same, same, old, old, "", "") == ({p: p for p in same}, [], [])
+    # A checkpoint older than the layout record (unknown): matching trees still restore.
+    assert continuation(same, same, None, old, "", "")[2] == []

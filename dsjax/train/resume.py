@@ -133,8 +133,9 @@ def continuation(saved: dict[Path, Any], here: dict[Path, Any], saved_layout: di
         problem = ckpt.tree_difference(old, new)
         if part == "loss_scale" and saved_layout and layout and float16[0] != float16[1]:
             # Same tree, other meaning: float16's dynamic scale vs the fixed scale of 1.
-            notes.append(f"loss_scale starts fresh: {changed(saved_layout, layout, ('compute_dtype',))}"
-                         " (float16's dynamic loss scale and the fixed one do not carry over)")
+            why = changed(saved_layout, layout, ("compute_dtype",))
+            notes.append(f"loss_scale starts fresh: {why} (float16's dynamic loss scale and the "
+                         "fixed one do not carry over)")
         elif problem is None:
             sources.update({p: p for p in new})
         elif part == "fp8_meta":  # its tree follows from the fp8 settings (and the model) alone
