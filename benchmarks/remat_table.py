@@ -1,6 +1,6 @@
 """Recomputation trade-off table: temp memory and FLOPs of every policy, compiled, never run.
 
-  python benchmarks/remat_table.py --config configs/deepseek_7b.py --out benchmarks/results/remat_7b.json
+  python benchmarks/remat_table.py --config configs/deepseek_7b.py --out benchmarks/results/remat_deepseek_7b.json
 
 Compiles forward+backward of the loss on abstract inputs at the config's full width (one device,
 `--micro_batch` rows of `data.seq_len` tokens) for a few layers, and extrapolates per layer to the

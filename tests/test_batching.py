@@ -90,7 +90,8 @@ def trainer():
 
 def _one_step(trainer, host, accum):
     state = trainer.init()
-    batch = trainer.device_batch(batching.host_layout(host, accum, workers=4))
+    batch = trainer.device_batch(batching.host_layout(host, accum,
+                                                      workers=trainer.mesh.shape["data"]))
     state, m = trainer.step(state, batch)
     return jax.device_get((state.params, state.opt_state, m))
 
@@ -116,6 +117,37 @@ def test_accumulated_step_equals_one_big_batch(trainer):
     assert _rel(m4["grad_norm"], m1["grad_norm"]) < 1e-5
     assert _max_rel(mu4, mu1) < 1e-5
     assert _max_rel(params4, params1) < 1e-5
+
+
+@pytest.mark.slow
+def test_accumulated_step_equals_one_big_batch_under_the_pipeline():
+    """cpu_tiny's pipelined mesh (data 2, tensor 2, pipeline 2) and 1f1b schedule: each
+    accumulation micro-batch is split again into pipeline.microbatches (4), whose losses the
+    schedule weighs by the whole micro-batch's token count; the accumulation then weighs the
+    micro-batches by their share of the batch's. The result is still one big batch's step."""
+    trainer = build_trainer(_cfg(**{"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2}))
+    cfg = trainer.cfg
+    assert (cfg.pipeline.schedule, cfg.pipeline.microbatches, dict(trainer.mesh.shape)) == (
+        "1f1b", 4, {"data": 2, "tensor": 2, "pipeline": 2})
+    rng = np.random.default_rng(5)
+    host = random_batch(rng, 16, 16)
+    # As in the flat test: micro-batches (and pipeline microbatches) of unequal token counts.
+    host["weights"] = host["weights"] * (rng.random(host["weights"].shape) > 0.33)
+    params1, opt1, m1 = _one_step(trainer, host, accum=1)  # [16, S]: 4 microbatches of 4 rows
+    params2, opt2, m2 = _one_step(trainer, host, accum=2)  # 2 x [8, S]: 4 microbatches of 2 rows
+    mu1, mu2 = (optax.tree_utils.tree_get(o, "mu") for o in (opt1, opt2))
+    print(f"pipelined, accumulated vs one batch, relative: loss {_rel(m2['loss'], m1['loss']):.1e}"
+          f", grad_norm {_rel(m2['grad_norm'], m1['grad_norm']):.1e}, first moment "
+          f"{_max_rel(mu2, mu1):.1e}, params {_max_rel(params2, params1):.1e}")
+    # The flat test's bound and reasoning: float32 sums in another order only; a micro-batch or
+    # microbatch weighed by its own mean instead of its token share is off by percents.
+    assert m2["tokens"] == m1["tokens"]
+    assert _rel(m2["loss"], m1["loss"]) < 1e-5
+    assert _rel(m2["grad_norm"], m1["grad_norm"]) < 1e-5
+    assert _max_rel(mu2, mu1) < 1e-5
+    assert _max_rel(params2, params1) < 1e-5
+    moved = _max_rel(params1, jax.device_get(trainer.init().params))
+    assert moved > 1e-5  # the step moved the params: not two unchanged copies
 
 
 @pytest.mark.slow

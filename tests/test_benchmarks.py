@@ -117,7 +117,7 @@ DOCUMENTED = {
         "pipeline_table_flags",
     "python benchmarks/remat_table.py --config configs/deepseek_7b.py": "remat_table",
     "python benchmarks/remat_table.py --config configs/deepseek_7b.py "
-    "--out benchmarks/results/remat_7b.json": "remat_table",
+    "--out benchmarks/results/remat_deepseek_7b.json": "remat_table",
     "python benchmarks/comm_bytes.py --config configs/cpu_tiny.py "
     "--config.optim.name=onebit_adam": "comm_bytes",
     "python benchmarks/comm_bytes.py --config configs/cpu_tiny.py --config.optim.name=onebit_adam "

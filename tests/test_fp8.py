@@ -4,6 +4,7 @@ rowwise recipe, delayed-scaling state, what XLA is handed (StableHLO), and a Lin
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -50,12 +51,118 @@ def stale_meta(x, w, dy, factors=(1.5, 0.8, 2.0)):
     return fp8.update_meta(fp8.init_meta(16), seen)
 
 
+# ---------------------------------------------------------------------------------------------
+# An independent reference, written from the recipes' definitions (docs/fp8.md) in NumPy with
+# ml_dtypes' fp8 casts: it shares no code with dsjax.fp8 (`emulate_einsum` reuses its
+# quantisation, scales and transposes, so those are checked against themselves above).
+
+FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def ref_current_scale(amax, fmt):
+    """s = amax / fp8_max (1 where amax is 0), in float32. Rounded as dsjax documents it
+    (`current_scale`: times the float32 reciprocal, one rounding the same under jit and
+    eagerly): two roundings, within two ulps of the quotient (asserted)."""
+    amax = np.asarray(amax, np.float32)
+    fp8_max = FORMATS[fmt][1]
+    s = np.where(amax > 0, amax * np.float32(1.0 / fp8_max), np.float32(1.0)).astype(np.float32)
+    quotient = np.where(amax > 0, amax.astype(np.float64) / fp8_max, 1.0)
+    assert np.all(np.abs(s - quotient) <= 2 * np.spacing(s)), (s, quotient)
+    return s
+
+
+def ref_delayed_scale(history, fmt, margin=0.0):
+    """s = max(amax history) / fp8_max * 2**margin; 0 (no history yet) for an all-zero one."""
+    top = np.max(np.asarray(history, np.float32), axis=-1)
+    s = (top * np.float32(1.0 / FORMATS[fmt][1]) * np.float32(2.0 ** margin)).astype(np.float32)
+    return np.where(top > 0, s, np.float32(0.0))
+
+
+def ref_quantize(a, s, fmt):
+    """a / s in float32, saturated to the format's range, then cast (round to nearest even)."""
+    dtype, fp8_max = FORMATS[fmt]
+    return np.clip(np.asarray(a, np.float32) / s, -fp8_max, fp8_max).astype(dtype)
+
+
+def ref_gemm(a, la, b, lb, lo, fmt_a, fmt_b, recipe, scales=(None, None)):
+    """One fp8 GEMM `la,lb->lo` of float32 operands: quantised with `scales` (per-tensor, as
+    given; None: current scaling) or, rowwise, one current scale per index of each operand's
+    dims this GEMM does not contract. Returns (float64 value of the float32 result that exact
+    arithmetic would give, float64 bound on its float32 accumulation error)."""
+    contracted = set(la) & set(lb) - set(lo)
+    quantised = []
+    for t, lt, fmt, s in ((a, la, fmt_a, scales[0]), (b, lb, fmt_b, scales[1])):
+        t = np.asarray(t, np.float32)
+        if recipe == "rowwise":
+            axes = tuple(i for i, c in enumerate(lt) if c in contracted)
+            s = ref_current_scale(np.max(np.abs(t), axis=axes, keepdims=True), fmt)
+        elif s is None:
+            s = ref_current_scale(np.max(np.abs(t)), fmt)
+        q = ref_quantize(t, s, fmt).astype(np.float64)
+        kept = "".join(c for c in lt if c not in contracted)
+        quantised.append((q, np.squeeze(s, axis=tuple(i for i, c in enumerate(lt)
+                                                      if c in contracted)) if s.ndim else s,
+                          kept))
+    (qa, sa, ka), (qb, sb, kb) = quantised
+    # Products of fp8 values are exact in float64; their sums are too for e4m3 x e4m3 (a 51-bit
+    # span at most), and within 2**-53 relative for e5m2 x e4m3, far inside the bound below.
+    exact = np.einsum(f"{la},{lb}->{lo}", qa, qb)
+    magnitude = np.einsum(f"{la},{lb}->{lo}", np.abs(qa), np.abs(qb))
+    k = int(np.prod([a.shape[la.index(c)] for c in contracted]))
+    # The dequantisation factor, as a float32 product (s_a s_b), per output element.
+    dims = lambda t, lt, kept: [t.shape[lt.index(c)] for c in kept]
+    factor = np.einsum(f"{ka},{kb}->{lo}",
+                       np.broadcast_to(np.asarray(sa, np.float32), dims(a, la, ka)),
+                       np.broadcast_to(np.asarray(sb, np.float32), dims(b, lb, kb)))
+    factor = factor.astype(np.float64)
+    value = exact * factor
+    # Any float32 summation order of k terms errs by at most k * 2**-24 * sum |terms|; the
+    # rescale and the output cast round once more (2**-24 relative each).
+    bound = k * 2.0 ** -24 * magnitude * factor + 2.0 ** -23 * np.abs(value)
+    return value, bound
+
+
+def reference_fp8_vjp(eq, x, w, dy, recipe, meta=None, margin=0.0):
+    """(y, dx, dw) of an fp8 einsum by the recipe: forward e4m3 x e4m3, dx = g . w and
+    dw = g . x with g in e5m2 and x, w in e4m3; each as (value, error bound). "delayed": the
+    scales must be the definition's of meta's history (with `margin`)."""
+    xs, rest = eq.split(",")
+    ws, ys = rest.split("->")
+    if recipe == "delayed":
+        # meta's scales, where they exist (checked against their history); else current.
+        scale = np.asarray(meta.scale, np.float32)
+        history = np.asarray(meta.amax_history, np.float32)
+        np.testing.assert_array_equal(scale, np.concatenate(
+            [ref_delayed_scale(history[:2], "e4m3", margin),
+             ref_delayed_scale(history[2:], "e5m2", margin)]))
+        fallback = [ref_current_scale(np.max(np.abs(np.asarray(t, np.float32))), f)
+                    for t, f in ((x, "e4m3"), (w, "e4m3"), (dy, "e5m2"))]
+        sx, sw, sg = (s if s > 0 else f for s, f in zip(scale, fallback))
+    else:
+        sx = sw = sg = None
+    y = ref_gemm(x, xs, w, ws, ys, "e4m3", "e4m3", recipe, (sx, sw))
+    dx = ref_gemm(dy, ys, w, ws, xs, "e5m2", "e4m3", recipe, (sg, sw))
+    dw = ref_gemm(x, xs, dy, ys, ws, "e4m3", "e5m2", recipe, (sx, sg))
+    return y, dx, dw
+
+
+def assert_matches_reference(eq, got, reference, extra_rel=0.0):
+    """Every element of fp8_einsum's (y, dx, dw) within the reference's float32 accumulation
+    bound (plus `extra_rel` of its value: a narrower output dtype's rounding)."""
+    for name, g, (value, bound) in zip(("y", "dx", "dw"), got, reference):
+        g = np.asarray(g, np.float64)
+        assert g.shape == value.shape, (eq, name, g.shape, value.shape)
+        err = np.abs(g - value)
+        worst = np.max(err / (bound + extra_rel * np.abs(value) + 1e-300))
+        assert worst <= 1.0, (eq, name, worst, np.max(err))
+
+
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_matches_float32_emulation_exactly(recipe):
     # On CPU XLA upcasts fp8 operands to float32 and runs the float32 GEMM; products of fp8
     # values are exact in float32 and the emulation uses the same dimension numbers (same
     # summation order), so any difference is a bug in the fp8 path, not rounding.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(100)
     cases = {}
     for eq, (xs, ws) in EQUATIONS.items():
         x, w = normal(rng, xs), normal(rng, ws, 0.05)
@@ -79,10 +186,13 @@ def test_matches_float32_emulation_exactly(recipe):
         # ...and neither is trivially the unquantised product.
         x, w = cases[eq][:2]
         assert rel_err(got[0], jnp.einsum(eq, x, w)) > 1e-3, eq
+        # Both agree with the independent reference: its scales, formats and transposes.
+        x, w, dy, meta = cases[eq]
+        assert_matches_reference(eq, got, reference_fp8_vjp(eq, x, w, dy, recipe, meta))
 
 
 def test_bfloat16_operands_and_output():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(101)
     eq = "BSD,DF->BSF"
     x, w = normal(rng, (2, 8, 48), dtype=jnp.bfloat16), normal(rng, (48, 80), 0.05)
     dy = normal(rng, (2, 8, 80), dtype=jnp.bfloat16)
@@ -92,6 +202,32 @@ def test_bfloat16_operands_and_output():
     assert [a.dtype for a in got] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
     for g, e in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    # The reference on the same (bfloat16-exact) values; y and dx are rounded to bfloat16 at
+    # the end: 2**-8 of the value more (on dw, float32, that slack is unused).
+    assert_matches_reference(eq, got, reference_fp8_vjp(eq, x, w, dy, "current"),
+                             extra_rel=2.0 ** -8)
+
+
+def test_delayed_scales_come_from_the_history_with_a_per_row_fallback():
+    """Two committed steps of history with a margin; the gradient row never saw an amax, so it
+    falls back to current scaling while x and w use their history (w saturates)."""
+    rng = np.random.default_rng(111)
+    eq = "BSD,DHK->BSHK"
+    x, w = normal(rng, (2, 8, 48)), normal(rng, (48, 4, 16), 0.05)
+    dy = normal(rng, (2, 8, 4, 16), 1e-3)
+    seen = np.asarray([1.5 * np.max(np.abs(x)), 0.4 * np.max(np.abs(w)), 0.0], np.float32)
+    meta = fp8.update_meta(fp8.init_meta(16), jnp.asarray(0.5 * seen), margin=1.0)
+    meta = fp8.update_meta(meta, jnp.asarray(seen), margin=1.0)
+    np.testing.assert_array_equal(np.asarray(meta.amax_history)[:, :3],
+                                  np.stack([seen, 0.5 * seen, 0 * seen], axis=1))
+    # The state's scales are the definition's: 2**margin max(history) / fp8_max, 0 for g.
+    history = np.asarray(meta.amax_history)
+    np.testing.assert_array_equal(np.asarray(meta.scale), np.concatenate(
+        [ref_delayed_scale(history[:2], "e4m3", 1.0), ref_delayed_scale(history[2:], "e5m2", 1.0)]))
+    assert float(meta.scale[fp8.G]) == 0
+    assert np.max(np.abs(np.asarray(w))) / float(meta.scale[fp8.W]) > 448  # w saturates
+    got = fp8_vjp(eq, x, w, dy, recipe="delayed", meta=meta)
+    assert_matches_reference(eq, got, reference_fp8_vjp(eq, x, w, dy, "delayed", meta, 1.0))
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
@@ -99,7 +235,7 @@ def test_error_against_unquantised_float32(recipe):
     # e4m3 keeps 3 mantissa bits (relative rounding error <= 2**-4, RMS ~2.5% across a binade),
     # e5m2 keeps 2 (<= 2**-3, RMS ~5%). Forward: two e4m3 operands, ~3.5-4% Frobenius error on
     # N(0, 1) 256x256 inputs -> bound 6e-2. Gradients: e5m2 x e4m3, ~5.5-6% -> bound 8e-2.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(102)
     x, w, dy = (normal(rng, (256, 256)) for _ in range(3))
     meta = None
     if recipe == "delayed":  # history from an earlier step with fresh N(0, 1) tensors
@@ -115,7 +251,7 @@ def test_rowwise_beats_per_tensor_on_an_outlier_column():
     # One weight output column 1e5x larger. e4m3 spans 2**-9..448 (about 2e5), so per-tensor
     # scaling pushes every other column into the subnormals (1e4x costs a little, 1e5x ~35%
     # error); per-column scales (rowwise on w's free dim) do not notice.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(103)
     x, w = normal(rng, (256, 256)), normal(rng, (256, 256))
     col = int(rng.integers(256))
     w = w.at[:, col].multiply(1e5)
@@ -131,7 +267,7 @@ def test_rowwise_beats_per_tensor_on_an_outlier_column():
 # Delayed-scaling state.
 
 def test_history_rolls_newest_first_and_scale_follows_its_max():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(104)
     obs = rng.uniform(0.5, 8.0, (5, 3)).astype(np.float32)
     meta = fp8.init_meta(4)
     for o in obs:
@@ -148,7 +284,7 @@ def test_history_rolls_newest_first_and_scale_follows_its_max():
 
 @pytest.mark.parametrize("bad", [np.inf, np.nan, -np.inf])
 def test_non_finite_amax_keeps_the_old_scale(bad):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(105)
     meta = fp8.update_meta(fp8.init_meta(8), jnp.asarray(rng.uniform(1, 4, 3), jnp.float32))
     obs = jnp.asarray([bad, *rng.uniform(1, 4, 2)], jnp.float32)
     new = fp8.update_meta(meta, obs)
@@ -158,7 +294,7 @@ def test_non_finite_amax_keeps_the_old_scale(bad):
 
 
 def test_first_step_falls_back_to_current_scaling():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(106)
     eq = "BSD,DF->BSF"
     x, w = normal(rng, (2, 8, 48)), normal(rng, (48, 80), 0.05)
     dy = normal(rng, (2, 8, 80), 1e-6)  # small gradients: all below e5m2's 2**-16 ~ 1.5e-5
@@ -183,7 +319,7 @@ def _twice(x, w, c1, c2):
 
 
 def test_repeated_use_combines_amax_by_maximum():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(107)
     x, w, c1, c2 = (normal(rng, (32, 48)), normal(rng, (48, 16)), normal(rng, (32, 16)),
                     normal(rng, (32, 16), 5.0))
     meta = fp8.update_meta(fp8.init_meta(8), jnp.asarray([1.0, 1.0, 1.0]))
@@ -226,7 +362,7 @@ class _Stack(nn.Module):
 def test_linen_meta_collection_round_trip():
     """The integration the train step uses: meta in its own collection, scanned per layer,
     the layer applied twice per step; grads w.r.t. params and meta; commit the meta."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(108)
     model = _Stack()
     x = normal(rng, (2, 8, 32))
     variables = model.init(jax.random.key(int(rng.integers(1 << 30))), x)
@@ -260,7 +396,7 @@ def test_sharding_does_not_change_the_math():
     # Per-tensor amax of a sharded tensor is a global max (GSPMD inserts the all-reduce), so
     # the forward is bit-identical; dw contracts over the sharded batch, whose partial sums are
     # added in another order: float32 rounding, 1e-6 relative.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(109)
     mesh = jax.make_mesh((4, 2), ("data", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     eq = "BSD,DF->BSF"
@@ -278,7 +414,7 @@ def test_sharding_does_not_change_the_math():
 # What XLA is handed.
 
 def test_stablehlo_feeds_fp8_operands_to_dot_general():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(110)
     x, w = normal(rng, (2, 8, 48), dtype=jnp.bfloat16), normal(rng, (48, 80))
     c = normal(rng, (2, 8, 80))
 

@@ -23,6 +23,7 @@ from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.checkpoint import Checkpointer
 from dsjax.train import build_trainer
+from dsjax.train import resume as resume_lib
 from dsjax.optim.compressed_allreduce import compressed_allreduce, pad_multiple, plan_buckets
 from dsjax.optim.onebit import OneBitAdam, onebit_adam
 
@@ -733,6 +734,76 @@ def test_mtp_loss_is_trained_and_logged_in_both_phases():
     assert moved > 1e-3  # lr 3e-3 Adam steps on the MTP projection
     state, m = trainer.step(state, trainer.device_batch(batch))
     assert int(m["onebit_compressed"]) == 1 and np.all(np.isfinite(np.asarray(m["mtp_loss"])))
+
+
+def _snapshot(state):
+    """What the refresh test compares, on the host (the step donates the state it is given)."""
+    opt = state.opt_state
+    return jax.device_get({"step": state.step, "params": state.params, "count": opt.count,
+                           "mu": opt.mu, "nu": opt.nu, "worker_error": opt.worker_error,
+                           "server_error": opt.server_error})
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_refresh_step_runs_exact_and_resumes_bit_exactly_across_it(tmp_path):
+    """optim.refresh_every (on by default) through `build_trainer`: freeze after 2 steps, every
+    3rd step after it exact. The refresh step (step 5) runs the exact program, moves v (which the
+    compressed steps around it leave frozen) and leaves the error buffers, which the compressed
+    step after it uses, as they were. A run checkpointed after step 4 and resumed (the next step
+    the refresh) continues bit for bit like the uninterrupted one: loss, params, optimizer state
+    and error buffers after the refresh and the compressed steps after it."""
+    cfg = _tiny_cfg(**{"optim.freeze_step": 2, "optim.refresh_every": 3})
+    trainer = build_trainer(cfg)
+    steps, interrupt, refresh = 7, 4, 5  # refresh: the 1-based step that is exact
+    assert [trainer.phase_at(s) for s in range(steps)] == [0, 0, 1, 1, 0, 1, 1]
+    rng = np.random.default_rng(13)
+    batches = [random_batch(rng, 8, 32) for _ in range(steps)]
+
+    state = trainer.init()
+    snaps, metrics = [_snapshot(state)], []
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"), async_save=False,
+                                log=lambda _: None, train_layout=resume_lib.train_layout(cfg))
+    for t in range(steps):
+        state, m = trainer.step(state, trainer.device_batch(batches[t]))
+        metrics.append(jax.device_get(m))
+        snaps.append(_snapshot(state))
+        if t + 1 == interrupt:
+            resume_lib.save(checkpointer, interrupt, state, {"cursor": interrupt}, trainer.mesh,
+                            cfg.model)
+    assert [int(m["onebit_compressed"]) for m in metrics] == [0, 0, 1, 1, 0, 1, 1]
+    assert all(np.isfinite(float(m["loss"])) for m in metrics)
+    assert [int(s["count"]) for s in snaps] == list(range(steps + 1))
+    # snaps[k]: after k steps. v moves in the exact steps (1, 2 and the refresh 5) only; the
+    # error buffers move in the compressed steps (3, 4, 6, 7) only, so the refresh keeps them
+    # for step 6; m moves in every step, the params in every step but the first (the
+    # schedule's lr starts at 0).
+    for k in range(1, steps + 1):
+        before, after = snaps[k - 1], snaps[k]
+        exact = k <= 2 or k == refresh
+        assert _same(before["nu"], after["nu"]) != exact, k
+        assert _same(before["worker_error"], after["worker_error"]) == exact, k
+        assert _same(before["server_error"], after["server_error"]) == exact, k
+        assert not _same(before["mu"], after["mu"]), k
+        assert _same(before["params"], after["params"]) == (k == 1), k
+
+    # Interrupted after step 4 (a fresh initialised state, as a new process has), resumed.
+    resumed, start, data_state = resume_lib.resume(checkpointer, trainer.init(), trainer.mesh,
+                                                   cfg.model, False, lambda _: None)
+    checkpointer.close()
+    assert (start, data_state) == (interrupt, {"cursor": interrupt})
+    assert _same(_snapshot(resumed), snaps[interrupt])
+    for t in range(interrupt, steps):
+        resumed, m = trainer.step(resumed, trainer.device_batch(batches[t]))
+        m = jax.device_get(m)
+        # Same programs, same inputs on the same CPU: equal to the last bit.
+        assert int(m["onebit_compressed"]) == int(metrics[t]["onebit_compressed"])
+        assert float(m["loss"]) == float(metrics[t]["loss"]), t + 1
+        assert float(m["grad_norm"]) == float(metrics[t]["grad_norm"]), t + 1
+    final = _snapshot(resumed)
+    jax.tree.map(np.testing.assert_array_equal, final, snaps[steps])
 
 
 # The h100_fp8.py:smoke model (run_launch starts from the tiny one), freezing after 2 of 6 steps

@@ -4,6 +4,7 @@ checkpoint written with pp=2 evaluated with pp=1."""
 
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -127,30 +128,175 @@ def test_training_with_pipeline_remat_and_fp8_lowers_the_loss():
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.05, losses
 
 
+def _np_onebit_mean(x):
+    """The error-compensated 1-bit mean of x [W, n] over W workers from zero error buffers, in
+    float64 (docs/onebit.md): each worker sends signs and its RMS; server j averages chunk j of
+    the W decompressed copies and sends its signs and RMS back. Returns (mean [n], worker errors
+    [W, n], server errors [W, n / W])."""
+    w, n = x.shape
+    scale = np.linalg.norm(x, axis=1, keepdims=True) / np.sqrt(n)
+    signs = np.where(x >= 0, 1.0, -1.0)  # zero sends +1
+    server_x = (signs * scale / w).sum(0).reshape(w, n // w)  # row j: server j's chunk
+    server_scale = np.linalg.norm(server_x, axis=1, keepdims=True) / np.sqrt(n // w)
+    server_signs = np.where(server_x >= 0, 1.0, -1.0)
+    return ((server_signs * server_scale).reshape(n), x - scale * signs,
+            server_x - server_scale * server_signs)
+
+
+def _device_shards(mesh, named_sharding, shape):
+    """(error-buffer group, {column block: index}) of one leaf: its distinct shards, numbered
+    along the non-data mesh axes its spec names (sorted), as 1-bit Adam lays out the column
+    blocks of its error buffers (docs/onebit.md: P(data, those axes))."""
+    coords = {mesh.devices[i].id: dict(zip(mesh.axis_names, i))
+              for i in np.ndindex(mesh.devices.shape)}
+    axes = sorted({a for e in named_sharding.spec if e
+                   for a in (e if isinstance(e, tuple) else (e,)) if a != "data"})
+    shards = {}
+    for device, index in named_sharding.devices_indices_map(shape).items():
+        at = coords[device.id]
+        if at["data"] == 0:  # params are replicated over data
+            block = np.ravel_multi_index([at[a] for a in axes], [mesh.shape[a] for a in axes])
+            shards[int(block)] = index
+    return "+".join(axes) or "replicated", shards
+
+
+def _first_compressed_step(trainer, before, worker_grads, lr):
+    """NumPy (float64) 1-bit Adam step from `before`, the state after the exact steps (zero error
+    buffers), on the workers' gradients `worker_grads` [W][pytree], as docs/onebit.md defines it
+    with this config (compress "update", update_bound, no bias correction, one bucket per
+    tensor, clipping by the RMS of the workers' norms), each device's shard of a leaf its own
+    bucket. Returns (params, mu, worker_error, server_error), the errors laid out like the
+    optimizer's."""
+    o, w = trainer.cfg.optim, len(worker_grads)
+    b1, b2, eps, wd = o.b1, o.b2, o.eps, o.weight_decay
+    bound = (1 - b1) / (np.sqrt(1 - b2) * (1 - b1 / np.sqrt(b2)))  # exact Adam never exceeds it
+    norm = np.sqrt(np.mean([sum(np.sum(g ** 2) for g in jax.tree.leaves(gw))
+                            for gw in worker_grads]))
+    clip = 1.0 if not o.clip_norm or norm < o.clip_norm else o.clip_norm / norm
+    multiple = w * math.lcm(w, 8)  # each worker's chunk is whole bytes of signs
+    paths, treedef = jax.tree_util.tree_flatten_with_path(before.params)
+    params, mu, errors = [], [], {}
+    for i, (path, p) in enumerate(paths):
+        p = np.asarray(p, np.float64)
+        m = np.asarray(jax.tree.leaves(before.opt_state.mu)[i], np.float64)
+        v = np.asarray(jax.tree.leaves(before.opt_state.nu)[i], np.float64)
+        g = np.stack([np.asarray(jax.tree.leaves(gw)[i], np.float64) for gw in worker_grads])
+        denom = np.sqrt(v) + eps
+        # What each worker sends: its momentum over the frozen sqrt(v), bounded.
+        sent = np.clip(np.where(v > 0, ((1 - b1) * clip * g + b1 * m) / denom, 0.0), -bound, bound)
+        new_m = np.empty_like(m)
+        group, shards = _device_shards(trainer.mesh, jax.tree.leaves(
+            trainer.state_shardings.params)[i], p.shape)
+        blocks = [None] * len(shards)
+        for block, index in shards.items():
+            x = sent[(slice(None),) + tuple(index)].reshape(w, -1)
+            n = x.shape[1]
+            padded = max(multiple, -(-n // multiple) * multiple)
+            x = np.concatenate([x, np.zeros((w, padded - n))], axis=1)
+            mean, we, se = _np_onebit_mean(x)
+            new_m[tuple(index)] = mean[:n].reshape(new_m[tuple(index)].shape)
+            blocks[block] = (we, se)
+        new_m *= denom
+        errors.setdefault(group, []).append(tuple(np.concatenate(e, axis=1)
+                                                  for e in zip(*blocks)))
+        upd = np.clip(np.where(v > 0, new_m, 0.0) / denom, -bound, bound)
+        if "norm" not in jax.tree_util.keystr(path):  # no weight decay on norm scales
+            upd = upd + wd * p
+        params.append(p - lr * upd)
+        mu.append(new_m)
+    worker_error = {k: tuple(e[0] for e in v) for k, v in errors.items()}
+    server_error = {k: tuple(e[1] for e in v) for k, v in errors.items()}
+    return (jax.tree.unflatten(treedef, params), jax.tree.unflatten(treedef, mu), worker_error,
+            server_error)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_onebit_adam_with_a_pipeline_matches_onebit_adam_without(schedule):
     # The pipeline's shard_map (manual over `pipeline`) nests inside 1-bit Adam's gradient
-    # shard_map (manual over `data`): same 2 data-parallel workers, so the same compression.
+    # shard_map (manual over `data`): same 2 data-parallel workers, the same gradients, loss and
+    # exact steps. The compressed step's buckets are each device's shards (docs/onebit.md), and
+    # the pipeline splits the layer stack into per-stage shards: those leaves are compressed with
+    # per-stage scales, so each run is checked against NumPy 1-bit Adam on its own layout, and the
+    # leaves the pipeline does not split must match across the two runs.
     def run(stages):
         cfg = _pipelined((2, 2, stages), schedule, 2, **{
             "optim.name": "onebit_adam", "optim.freeze_step": 2, "optim.lr": 3e-4})
         trainer = train.build_trainer(cfg, sharding.make_mesh(
             cfg, devices=jax.devices()[:4 * stages]))
-        state, out = trainer.init(), []
+        state, out, states = trainer.init(), [], []
         for b in batches:
             state, m = trainer.step(state, trainer.device_batch(b))
             out.append((float(m["loss"]), float(m["grad_norm"]), int(m["onebit_compressed"])))
-        return out
+            states.append(jax.device_get(state))
+        return trainer, out, states
 
     rng = np.random.default_rng(5)
     batches = [random_batch(rng, 8, 16, vocab=128) for _ in range(3)]
-    flat, piped = run(1), run(2)
+    (flat_trainer, flat, flat_states), (piped_trainer, piped, piped_states) = run(1), run(2)
     assert [c for _, _, c in piped] == [0, 0, 1]  # two exact steps, then one compressed
     # float32 rounding only, through the first compressed step. (Later steps may flip the sign
     # of a near-zero momentum entry, which 1-bit compression turns into a full-size difference.)
     for (loss_a, norm_a, _), (loss_b, norm_b, _) in zip(flat, piped):
         assert loss_b == pytest.approx(loss_a, rel=1e-5)
         assert norm_b == pytest.approx(norm_a, rel=1e-5)
+
+    rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b),
+                                                                           1e-30)
+    leaves = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
+    # After the exact steps every parameter and moment matches (same relative Frobenius bound
+    # as the gradients above; measured <= 4e-7).
+    a, b = flat_states[1], piped_states[1]
+    for tree_a, tree_b in ((a.params, b.params), (a.opt_state.mu, b.opt_state.mu),
+                           (a.opt_state.nu, b.opt_state.nu)):
+        for (path, x), y in zip(leaves(tree_a), jax.tree.leaves(tree_b)):
+            assert rel(y, x) < 1e-5, (jax.tree_util.keystr(path), rel(y, x))
+
+    # The compressed step of each run against NumPy, from that run's own state after step 2 and
+    # the workers' gradients of the plain decoder on one device (worker i: rows 4i..4i+3, its
+    # share sum(NLL) * W / (batch weight) of the global mean loss).
+    host = batches[2]
+    total = float(np.sum(host["weights"]))
+    grad = jax.jit(jax.grad(lambda p, b: ModelLoss(flat_trainer.model).nll_sum(p, b)[0]))
+    for trainer, states, norm in ((flat_trainer, flat_states, flat[2][1]),
+                                  (piped_trainer, piped_states, piped[2][1])):
+        before, after = states[1], states[2]
+        worker_grads = [jax.tree.map(lambda g: np.asarray(g, np.float64) * 2 / total,
+                                     grad(before.params, {k: v[4 * i:4 * i + 4]
+                                                          for k, v in host.items()}))
+                        for i in range(2)]
+        assert np.sqrt(np.mean([sum(np.sum(g ** 2) for g in jax.tree.leaves(gw))
+                                for gw in worker_grads])) == pytest.approx(norm, rel=1e-5)
+        params, mu, worker_error, server_error = _first_compressed_step(
+            trainer, before, worker_grads, float(trainer.tx.learning_rate(2)))
+        assert jax.tree.map(np.shape, after.opt_state.worker_error) == jax.tree.map(
+            np.shape, worker_error)
+        # Every coordinate moves by lr * its chunk's scale (~3e-4 * 0.1..6): float32 against
+        # float64 is an ulp of the param (|p| <= 1) and ~1e-6 of the update (measured <= 5.4e-8
+        # at |p| ~ 1, <= 3.7e-9 below 0.1: a tenth of the tolerance). A coordinate whose sent
+        # value is ~0 could flip its sign bit under float32 reordering and move by 2 lr * scale:
+        # measured, none of the ~50k flips (none is out of tolerance, both schedules). A 1%
+        # larger update is off by ~3e-6.
+        for (path, got), want in zip(leaves(after.params), jax.tree.leaves(params)):
+            np.testing.assert_allclose(got, want, rtol=5e-7, atol=1e-9,
+                                       err_msg=jax.tree_util.keystr(path))
+        # Momenta and errors: O(bound) values from O(1e-6)-accurate gradients (float32, another
+        # summation order): 1e-5 of the largest (measured <= 4.5e-6 of it; a flipped sign bit
+        # would be off by 2 * scale); a wrong scale, bucket or error feedback is off by O(1).
+        for got, want in zip(jax.tree.leaves((after.opt_state.mu, after.opt_state.worker_error,
+                                              after.opt_state.server_error)),
+                             jax.tree.leaves((mu, worker_error, server_error))):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+    # Leaves the pipeline does not split (embedding, head, final norm) are the same buckets in
+    # both layouts, so the same numbers after the compressed step (measured <= 3e-7).
+    split = {jax.tree_util.keystr(path) for path, s in leaves(piped_trainer.state_shardings.params)
+             if "pipeline" in jax.tree.leaves(tuple(s.spec))}
+    assert split and all("layers" in name for name in split), split
+    for tree_a, tree_b in ((flat_states[2].params, piped_states[2].params),
+                           (flat_states[2].opt_state.mu, piped_states[2].opt_state.mu)):
+        for (path, x), y in zip(leaves(tree_a), jax.tree.leaves(tree_b)):
+            if jax.tree_util.keystr(path) not in split:
+                assert rel(y, x) < 1e-5, (jax.tree_util.keystr(path), rel(y, x))
 
 
 @pytest.mark.parametrize("overrides, field", [

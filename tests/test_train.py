@@ -151,7 +151,8 @@ def test_a_step_that_cannot_fit_stops_before_allocating(tmp_path):
     batch.device_memory_gb = 1 KiB, below the tiny model's own state): one line with both
     figures and what would make it fit, exit 2, and no checkpoint, metrics or state written."""
     workdir = str(tmp_path / "w")
-    proc = run_launch(workdir, {"batch.device_memory_gb": 2 ** -20})
+    proc = run_launch(workdir, {"batch.device_memory_gb": 2 ** -20, "mesh.data": 4,
+                                "mesh.pipeline": 1})  # unpipelined: micro-batch 1 is allowed
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"dsjax: error: memory: the train step needs [\d.]+ MiB per device "

@@ -30,6 +30,7 @@ from dsjax.runtime import xla_flags
 from dsjax.runtime.preemption import StopConditions
 from dsjax.train import resume as resume_lib
 from dsjax.train.observer import Observer
+from dsjax.train.step import nonfinite_groups
 from dsjax.train.trainer import build_trainer, check_fits
 
 
