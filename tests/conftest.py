@@ -59,6 +59,18 @@ TINY_FLAGS = {
 FLAT_MESH = {"mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1}
 
 
+def file_digests(root):
+    """{path relative to `root`: sha256} of every file under it (what must stay byte-identical)."""
+    import hashlib
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
 def read_records(workdir):
     """The run's metrics.jsonl, one dict per line."""
     import json

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import file_digests
 from dsjax.data import (ByteTokenizer, DataError, HFTokenizer, PackedSource, ShardWriter,
                         build_stdlib_corpus, eval_batches, load_tokenizer, make_example, prepare,
                         train_dataset, train_iterator)
@@ -451,18 +452,6 @@ def test_stdlib_corpus_split_and_cache(tmp_path, capsys):
     assert not list(cache.glob(".build-*"))  # the temp build dir is gone
 
 
-def _tree_digest(root) -> dict[str, str]:
-    """{relative path: sha256} of every file under `root` (what must stay byte-identical)."""
-    import hashlib
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 def _prepared_corpus(tmp_path):
     rng = np.random.default_rng(11)
     docs = tmp_path / "docs.txt"
@@ -480,12 +469,12 @@ def test_the_stdlib_corpus_never_replaces_a_prepared_corpus(tmp_path):
     from dsjax.data.splits import data_splits
 
     _, out = _prepared_corpus(tmp_path)
-    before = _tree_digest(out)
+    before = file_digests(out)
     cfg = config_lib.load(os.path.join(REPO, "configs", "cpu_tiny.py"), {"data.path": str(out)})
     with pytest.raises(DataError, match=r"^data\.path: .* holds a prepared corpus .*"
                                         r"data\.source='prepared'"):
         data_splits(cfg, str(tmp_path / "run"))
-    assert _tree_digest(out) == before and sorted(os.listdir(out)) == ["eval", "train"]
+    assert file_digests(out) == before and sorted(os.listdir(out)) == ["eval", "train"]
     # Any other file dsjax did not write is refused the same way, and kept.
     other = tmp_path / "other"
     other.mkdir()
@@ -501,12 +490,12 @@ def test_the_stdlib_corpus_never_replaces_a_prepared_corpus(tmp_path):
 
 def test_prepare_refuses_to_overwrite_existing_splits(tmp_path, capsys):
     docs, out = _prepared_corpus(tmp_path)
-    before = _tree_digest(out)
+    before = file_digests(out)
     with pytest.raises(DataError, match=r"exist already; nothing was written.*--overwrite"):
         prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.5)
     assert prepare_main(["--input", str(docs), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert _tree_digest(out) == before
+    assert file_digests(out) == before
     result = prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.5,
                      split_on_blank_lines=True, overwrite=True)
-    assert _tree_digest(out) != before and result["eval"]["num_docs"] >= 1
+    assert file_digests(out) != before and result["eval"]["num_docs"] >= 1

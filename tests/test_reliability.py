@@ -2,7 +2,6 @@
 signal and by time budget, kill -9 in the middle of a checkpoint save, corrupted checkpoints, and
 exact resume, each compared with one uninterrupted run of the same config."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, run_launch
+from conftest import ROOT, TINY_FLAGS, file_digests, run_launch
 from dsjax import checkpoint as ckpt
 
 STEPS = 24
@@ -256,17 +255,6 @@ def test_checkpoint_of_one_mesh_restores_evaluates_and_trains_on_another(tmp_pat
 CONT = {**FLAGS, "train.steps": 16, "checkpoint.every": 4, "checkpoint.keep": 10}
 
 
-def _checksums(directory):
-    """{path relative to `directory`: sha256} of every file under it."""
-    out = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 @pytest.fixture(scope="module")
 def after_step_8(tmp_path_factory):
     """(losses of an uninterrupted AdamW float32 run of 16 steps, a copy of its run directory as
@@ -293,7 +281,7 @@ def _continue(template, tmp_path, overrides, extra=()):
     checksums of the checkpoints before the run)."""
     workdir = str(tmp_path / "run")
     shutil.copytree(template, workdir)
-    before = _checksums(os.path.join(workdir, "checkpoints"))
+    before = file_digests(os.path.join(workdir, "checkpoints"))
     proc = _start(workdir, {**CONT, **overrides}, extra=extra)
     out, err = proc.communicate(timeout=900)
     return proc, out, err, workdir, before
@@ -312,7 +300,7 @@ def test_fp8_recipe_change_resumes_with_fresh_fp8_state(after_step_8, tmp_path):
     assert sum("warning" in line for line in out.splitlines()) == 1, out[-3000:]
     assert not os.path.exists(os.path.join(workdir, "checkpoints.corrupt"))
     assert _complete_steps(workdir) == [4, 8, 12]
-    after = _checksums(os.path.join(workdir, "checkpoints"))
+    after = file_digests(os.path.join(workdir, "checkpoints"))
     assert {k: v for k, v in after.items() if k.split(os.sep)[0] in ("4", "8")} == before
     # Step 9's loss is the restored weights' (before any update), in fp8 instead of float32:
     # quantisation error only (measured 0.0002). Fresh weights would be at ~6.3, step 8 is ~4.9.
@@ -371,7 +359,7 @@ def test_an_unsupported_mismatch_stops_in_one_line_and_changes_nothing(after_ste
         f"checkpoint, and 51 more differences. Nothing was changed. To go on, run with the "
         f"config that wrote it, or start a new --workdir (with "
         f"--config.checkpoint.init_from={ckpts} to take its weights only)"], err[-3000:]
-    assert _checksums(ckpts) == before
+    assert file_digests(ckpts) == before
     assert not os.path.exists(os.path.join(workdir, "checkpoints.corrupt"))
 
 
