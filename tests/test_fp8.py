@@ -1,5 +1,9 @@
-"""dsjax.fp8: exactness against the float32 emulation, error against unquantised float32, the
-rowwise recipe, delayed-scaling state, what XLA is handed (StableHLO), and a Linen integration."""
+"""dsjax.fp8: exactness against the float32 emulation and an independent NumPy/ml_dtypes
+reference of the recipes, error against unquantised float32, the rowwise recipe, delayed-scaling
+state, what XLA is handed (StableHLO, dot counts derived from the config), and a Linen
+integration. Every RNG is seeded."""
+
+import itertools
 
 import flax.linen as nn
 import jax
@@ -462,12 +466,31 @@ def _train_cfg(**overrides):
     return config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), {**base, **overrides})
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"fp8.matmuls": "gate,up,down", "fp8.keep_first_layers": 1},
-    {"fp8.keep_last_layers": 2, "fp8.recipe": "delayed"},
+def _expected_dots(cfg):
+    """(fp8 dots, float32 dots) of one train step's StableHLO, from the config alone. Layers
+    keep_first_layers <= i < num_layers - keep_last_layers run `fp8.matmuls` in fp8; the
+    decoder scans each contiguous run of same-kind layers with one body (remat "none": one layer
+    per body), so a run's dots appear once. Per body: each projection (q, k, v, o, gate, up,
+    down) is 3 dots, forward and two gradients (fp8: e4m3 x e4m3, then e5m2 x e4m3 for dx and
+    dw), and the attention core 6 (QK^T and PV, forward and two gradients each); the output
+    head adds 3 float32 dots; the embedding is a gather."""
+    assert cfg.remat.policy == "none", cfg.remat.policy  # recomputation would repeat forwards
+    L, f = cfg.model.num_layers, cfg.fp8
+    in_fp8 = [f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L)]
+    n = len([m for m in f.matmuls.split(",") if m.strip()])
+    fp8_dots, high = 0, 3
+    for use_fp8, _ in itertools.groupby(in_fp8):
+        fp8_dots += 3 * n if use_fp8 else 0
+        high += 6 + 3 * (7 - (n if use_fp8 else 0))
+    return fp8_dots, high
+
+
+@pytest.mark.parametrize("overrides, counts", [
+    ({}, (21, 9)),  # one scanned body of 4 fp8 layers
+    ({"fp8.matmuls": "gate,up,down", "fp8.keep_first_layers": 1}, (9, 48)),  # 1 float32 + 3
+    ({"fp8.keep_last_layers": 2, "fp8.recipe": "delayed"}, (21, 36)),  # 2 fp8 + 2 float32
 ], ids=["all-projections", "mlp-only-first-kept", "last-two-kept-delayed"])
-def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides):
+def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides, counts):
     import sys
     import os
     from conftest import ROOT
@@ -476,7 +499,10 @@ def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides):
     from dsjax import sharding
     from dsjax.train import build_trainer
 
-    trainer = build_trainer(_train_cfg(**overrides))
+    cfg = _train_cfg(**overrides)
+    # The expected counts come from the config (and, written out, by hand), not from the model.
+    assert _expected_dots(cfg) == counts
+    trainer = build_trainer(cfg)
     batch = trainer.abstract_batch()
     with sharding.activate(trainer.mesh, trainer.rules):
         text = trainer.jitted(0).lower(trainer.abstract_state(), batch).as_text()
@@ -485,6 +511,7 @@ def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides):
     high = [d for d in dots if d not in fp8_dots]
     expected_fp8, expected_high = fp8_hlo.expected_counts(trainer)
     assert len(fp8_dots) == expected_fp8 and len(high) == expected_high, (dots, overrides)
+    assert (len(fp8_dots), len(high)) == counts, (dots, overrides)
     # forward e4m3 x e4m3, both backward GEMMs e5m2 x e4m3, always a float32 result
     assert fp8_dots.count(("f8E4M3FN", "f8E4M3FN", "f32")) * 3 == expected_fp8
     assert fp8_dots.count(("f8E5M2", "f8E4M3FN", "f32")) * 3 == 2 * expected_fp8
