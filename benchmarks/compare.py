@@ -17,7 +17,8 @@ Prints the recipe's table (samples/s, ms/step, MFU and GPU utilisation, memory, 
 share; each with the candidate's change in %). Writes into --out: compare.json
 ({"baseline": {...}, "candidate": {...}, "change_pct": {...}} with samples_per_sec, step_ms, mfu,
 mem_bytes, comm_fraction as in metrics.jsonl; "load_before", "load_after", "cores",
-"contended": the machine's load around the run, benchmarks/report.py), loss_vs_step.png,
+"others_cpu_share", "contended": the machine's conditions around the run, benchmarks/report.py),
+loss_vs_step.png,
 loss_vs_time.png, throughput.png, and profile/{baseline,candidate}/ (the traces; TensorBoard or
 Perfetto). A contended run prints a warning after the table.
 docs/observability.md says what each figure means and where it is weak.
@@ -275,7 +276,7 @@ def main(argv=None) -> dict:
     from dsjax import sharding  # pylint: disable=import-outside-toplevel
     from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
-    load_before = report.load_average()
+    timing = report.timing_start()
     sides = []
     for label, spec, cfg in zip(("baseline", "candidate"), (args.baseline, args.candidate),
                                 cfgs):
@@ -297,7 +298,7 @@ def main(argv=None) -> dict:
     peak, peak_source = mx.peak_flops_per_device(cfgs[0].metrics.peak_flops_per_device)
     result = {"baseline": measure(sides[0], peak, args.out),
               "candidate": measure(sides[1], peak, args.out)}
-    conditions = report.load_record(load_before)  # timed rounds and traced steps are over
+    conditions = report.load_record(timing)  # timed rounds and traced steps are over
     result["change_pct"] = {k: change_pct(result["baseline"][k], result["candidate"][k])
                             for k in FIGURES}
     result.update({"steps": args.steps, "round_steps": args.round, "warmup_steps": warmup,

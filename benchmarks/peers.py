@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
 
     B, S = cfg.data.global_batch, cfg.data.seq_len
-    load_before = report.load_average()
+    timing = report.timing_start()
     host = host_batches(S, B, min(total, 32), args.data, args.data_dir,
                         min(cfg.model.vocab_size, 256), cfg.train.seed, packed=False)
     runners = [DsjaxRunner("dsjax (1,1,1)", one, host)]
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
             n = min(args.round, total - r.done)
             if n > 0:
                 r.rounds.append(r.run(n) / n)
-    conditions = report.load_record(load_before)
+    conditions = report.load_record(timing)
 
     tokens = B * S
     rate = {r.name: tokens / statistics.median(r.rounds) for r in runners}

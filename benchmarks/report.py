@@ -3,13 +3,21 @@ a timed part, and one JSON object at `--out`.
 
 A timing taken while other work shares the cores measures the sharing, not the code: every timing
 benchmark records the load average when it starts and when its timed part ends, with the core
-count, and says `"contended": true` (and prints a warning) when either 1-minute figure exceeds it.
+count, and the share of the cores that other processes used meanwhile; it says `"contended":
+true` (and prints a warning) when that share passes `OTHERS_MAX` or the load already exceeded the
+cores at the start (docs/observability.md, "Conditions").
 """
 
 import ast
 import json
 import os
+import time
 from typing import Any
+
+# Contended: other processes used more than this share of the machine's cores during the timed
+# part. The load average cannot say it alone: a benchmark's own threads (XLA's pool, 8 simulated
+# devices, PyTorch's OpenMP) lift the 1-minute load past the core count on an idle machine.
+OTHERS_MAX = 0.10
 
 
 def parse_value(text: str) -> Any:
@@ -34,25 +42,53 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def load_average() -> list[float]:
-    """The machine's 1-, 5- and 15-minute load averages now."""
-    return list(os.getloadavg())
+def _busy_seconds() -> float | None:
+    """CPU seconds every process on the machine has run (the /proc/stat total less idle and
+    iowait), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def load_record(before: list[float]) -> dict[str, Any]:
-    """The conditions of a timed part that began at load `before` (from `load_average()`) and
-    ends now: {"load_before", "load_after", "cores", "contended"}. Contended: either 1-minute
-    load exceeds the core count, so the cores were shared and the timing is not trustworthy. The
-    figure counts this process's own runnable threads too."""
-    after, cores = load_average(), os.cpu_count() or 1
-    return {"load_before": list(before), "load_after": after, "cores": cores,
-            "contended": max(before[0], after[0]) > cores}
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def timing_start() -> dict[str, Any]:
+    """The start of a timed part: the machine's 1-, 5- and 15-minute load averages and CPU
+    counters now. Pass it to `load_record` when the timed part ends."""
+    return {"load": list(os.getloadavg()), "busy": _busy_seconds(), "own": _own_seconds(),
+            "wall": time.monotonic()}
+
+
+def load_record(start: dict[str, Any]) -> dict[str, Any]:
+    """The conditions of a timed part that began at `start` (from `timing_start()`) and ends now:
+    {"load_before", "load_after", "cores", "others_cpu_share", "contended"}. others_cpu_share:
+    the CPU time other processes used meanwhile, as a share of the cores' time (None without
+    /proc/stat). Contended: that share passes OTHERS_MAX, or the 1-minute load exceeded the core
+    count at the start (another job was running), so the timing is not trustworthy."""
+    cores, busy = os.cpu_count() or 1, _busy_seconds()
+    share = None
+    if busy is not None and start["busy"] is not None:
+        wall = max(time.monotonic() - start["wall"], 1e-9)
+        others = (busy - start["busy"]) - (_own_seconds() - start["own"])
+        share = round(max(others, 0.0) / (wall * cores), 4)
+    before = start["load"]
+    return {"load_before": before, "load_after": list(os.getloadavg()), "cores": cores,
+            "others_cpu_share": share,
+            "contended": before[0] > cores or (share is not None and share > OTHERS_MAX)}
 
 
 def describe_load(record: dict[str, Any]) -> str:
-    """'load average 0.4 -> 1.9 on 2 cores' (1-minute figures)."""
+    """'load average 0.4 -> 1.9 on 2 cores, others used 1% of them' (1-minute figures)."""
+    share = record.get("others_cpu_share")
+    others = "" if share is None else f", others used {share:.0%} of them"
     return (f"load average {record['load_before'][0]:.1f} -> {record['load_after'][0]:.1f} on "
-            f"{record['cores']} cores")
+            f"{record['cores']} cores{others}")
 
 
 def warn_if_contended(record: dict[str, Any], name: str) -> None:

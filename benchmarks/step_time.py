@@ -7,8 +7,9 @@ Builds every config's trainer, then alternates rounds of `--steps` timed steps b
 machine drift hits all of them), on synthetic packed batches. `--preset 1b` swaps in a ~1.2B
 DeepSeek-architecture model on one device (the GPU suite's size); `--preset smoke` a tiny one for
 CPU. Reports medians per config and ratios to the first config; writes {"rows": [...],
-"ratios": {...}, "load_before", "load_after", "cores", "contended"} (benchmarks/report.py: the
-load average at the start and after the timed rounds; a warning when it exceeds the cores).
+"ratios": {...}, "load_before", "load_after", "cores", "others_cpu_share", "contended"}
+(benchmarks/report.py: the load average at the start and after the timed rounds, and the share
+of the cores other processes used; a warning when the timing was contended).
 Memory: the device's peak bytes in use where it reports them, else the compiled step's
 memory_analysis (labelled).
 """
@@ -65,7 +66,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    load_before = report.load_average()
+    timing = report.timing_start()
     cfgs = [_apply_preset(_load(c), args.preset) for c in args.config]
     ensure_cpu_devices(max(c.mesh.data * c.mesh.tensor * c.mesh.pipeline for c in cfgs))
     import jax  # pylint: disable=import-outside-toplevel
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
             jax.block_until_ready(m)
             run["times"].append((time.perf_counter() - t0) / args.steps)
             run["loss"] = float(m["loss"])
-    conditions = report.load_record(load_before)
+    conditions = report.load_record(timing)
 
     rows = []
     for run in runs:
