@@ -138,13 +138,14 @@ def test_skipped_blocks_are_never_computed():
     query blocks that must skip the poisoned key block stay finite, forward and dq."""
     B, S, H, N, K, U = 1, 64, 4, 2, 16, 16
     q, k, v, dout = inputs(1, B, S, H, N, K, U)
-    # Causal: key block 7 (keys 56..63, block_k 8) is above the diagonal of q blocks 0..2.
+    # Causal: key blocks 6, 7 (keys 48..63, block_k 8) lie above the diagonal of q blocks 0..2
+    # (rows 0..47, block_q 16); block 6 is the first one past q block 2's last key block.
     seg = segments([[64]])
-    out, dq, _, _ = run(q, k, v.at[:, 56:].set(jnp.nan), dout, seg, 16, 8)
+    out, dq, _, _ = run(q, k, v.at[:, 48:].set(jnp.nan), dout, seg, 16, 8)
     want_out, want_dq, _, _ = reference(q, k, v, seg, K ** -0.5, dout)
     assert rel(out[:, :48], want_out[:, :48]) < 1e-5
     assert rel(dq[:, :48], want_dq[:, :48]) < 1e-5
-    assert np.isnan(np.asarray(out[:, 56:])).all()  # the poison does reach who sees it
+    assert np.isnan(np.asarray(out[:, 48:])).all()  # the poison does reach who sees it
     # Documents: key blocks 0, 1 are all document 1; q blocks 1..3 are all document 2.
     seg = segments([[16, 48]])
     out, dq, _, _ = run(q, k, v.at[:, :16].set(jnp.nan), dout, seg, 16, 8)
@@ -189,14 +190,17 @@ def test_temp_memory_grows_linearly():
     assert large < 2 * 2048 * 2048 * 4 / 4, large  # a quarter of one float32 [H, S, S] buffer
 
 
-def test_saves_only_qkv_output_and_lse(capsys):
-    q, k, v, _ = inputs(3, 2, 32, 4, 2, 16, 16)
+def test_primal_and_saved_residuals(capsys):
+    """Without differentiation the primal runs (and matches); under it the residuals are
+    q, k, v (and the segment ids), the named output and the named logsumexp, nothing else."""
+    q, k, v, dout = inputs(3, 2, 32, 4, 2, 16, 16)
     seg = jnp.asarray(segments([[32], [10, 22]]))
-    f = lambda q, k, v: jnp.sum(flash_attention(q, k, v, seg, scale=0.25, block_q=16,
-                                                block_k=16))
-    print_saved_residuals(f, q, k, v)
+    attend = lambda q, k, v: flash_attention(q, k, v, seg, scale=0.25, block_q=16, block_k=16)
+    want, *_ = reference(q, k, v, seg, 0.25, dout)
+    assert rel(jax.jit(attend)(q, k, v), want) < 1e-5
+    print_saved_residuals(lambda q, k, v: jnp.sum(attend(q, k, v)), q, k, v)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 6, lines  # q, k, v, segment ids, output, lse
+    assert len(lines) == 6, lines
     assert sum("from the argument" in line for line in lines) == 3, lines
     assert any("named 'attn_context'" in line and "f32[2,32,4,16]" in line for line in lines)
     assert any("named 'attn_lse'" in line and "f32[2,4,32]" in line for line in lines)
