@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from conftest import FLAT_MESH, ROOT, TINY_FLAGS, random_batch, read_records, run_launch
+from dsjax import batching, fp8, sharding
 from dsjax import config as config_lib
 from dsjax import metrics as mx
-from dsjax import sharding
 from dsjax.checkpoint import Checkpointer
 from dsjax.train import build_trainer
 from dsjax.train import resume as resume_lib
@@ -806,12 +806,15 @@ def test_refresh_step_runs_exact_and_resumes_bit_exactly_across_it(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final, snaps[steps])
 
 
-# The h100_fp8.py:smoke model (run_launch starts from the tiny one), freezing after 2 of 6 steps
-# and checkpointing at 4, in the compressed phase. Sampling and the CPU peak measurement are off:
-# neither is under test here, both cost compile time.
+# The h100_fp8.py:smoke model (run_launch starts from the tiny one), freezing after 2 of 6 steps,
+# every 3rd step after the freeze exact (so step 5 refreshes v), and checkpointing at 4, in the
+# compressed phase. The batch grows 8 -> 16 from step 5 (the config's patience and cooldown).
+# Sampling and the CPU peak measurement are off: neither is under test here, both cost compile
+# time.
 SMOKE = {"model.hidden_size": 128, "model.num_kv_heads": 4, "model.mlp_dim": 256,
-         "data.seq_len": 64, "train.steps": 6, "optim.freeze_step": 2, "checkpoint.every": 4,
-         "train.sample_tokens": 0, "metrics.peak_flops_per_device": 1e12}
+         "data.seq_len": 64, "train.steps": 6, "optim.freeze_step": 2,
+         "optim.refresh_every": 3, "checkpoint.every": 4, "train.sample_tokens": 0,
+         "metrics.peak_flops_per_device": 1e12}
 
 
 def _resume_from_step_4(source, workdir, overrides=None):
@@ -843,13 +846,52 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
     assert (cfg["mesh"]["data"], cfg["mesh"]["tensor"], cfg["mesh"]["pipeline"]) == (2, 2, 2)
     assert cfg["pipeline"]["schedule"] == "1f1b" and cfg["batch"]["policy"] == "adaptive"
     records = read_records(workdir)
-    assert [r["onebit_compressed"] for r in records] == [0, 0, 1, 1, 1, 1]
+    # Warmup (steps 1-2), compressed (3-4), the refresh (5: exact, after freeze_step 2, as
+    # optim.refresh_every 3 puts it), compressed again (6).
+    assert cfg["optim"]["freeze_step"] == 2 and cfg["optim"]["refresh_every"] == 3
+    assert [r["onebit_compressed"] for r in records] == [0, 0, 1, 1, 0, 1]
     losses = [r["loss"] for r in records]
     assert all(np.isfinite(losses)), losses
     # From ~6.24 (uniform over 512) to ~4 in 6 steps at lr 3e-3; the compressed steps keep it
-    # falling (measured 6.24, 6.24, 5.70, 5.52, 4.67, 4.28).
+    # falling (measured 6.24, 6.24, 5.70, 5.12, 4.38, 3.98).
     assert losses[-1] < losses[2] < losses[0] - 0.3, losses
     assert "held-out: loss" in proc.stdout
+
+    # The adaptive batch size changed once, 8 -> 16 rows from step 5, with accumulation.
+    assert [(r["batch_size"], r["accum_steps"]) for r in records] == [(8, 2)] * 4 + [(16, 4)] * 2
+    change = [c for r in records for c in r.get("batch_changes") or []]
+    assert [(c["old"], c["new"], c["step"]) for c in change] == [(8, 16, 4)], change
+    assert "batch size 8 -> 16 from step 5" in proc.stdout
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    assert [(c["old"], c["new"]) for c in summary["batch_changes"]] == [(8, 16)]
+    # Every (phase, shape) the run compiled ran: the refresh at 16 rows is the exact program.
+    used = {(b["phase"], b["accum_steps"]) for b in summary["batch_shapes"] if b["used"]}
+    assert used == {(0, 2), (1, 2), (0, 4), (1, 4)}, summary["batch_shapes"]
+
+    # fp8 dots in every step program the run used, rebuilt from the config it wrote: each fp8
+    # projection (fp8.matmuls) is an e4m3 x e4m3 dot forward and two e5m2 x e4m3 dots backward
+    # (dgrad, wgrad) in the one stage body each pipeline stage runs; the 1f1b schedule
+    # recomputes the forward, so that count is a lower bound.
+    raw = {k: v for k, v in cfg.items() if k != "xla_flags"}
+    trainer = build_trainer(config_lib.from_config_dict(raw))
+    projections = len(trainer.cfg.fp8.matmuls.split(","))
+    assert projections == 7
+    for phase, accum in sorted(used):
+        shape = batching.Shape(4 * accum, accum, 2)  # 4 rows per micro-step
+        with sharding.activate(trainer.mesh, trainer.rules):
+            text = trainer.programs.jitted(phase, shape).lower(
+                trainer.abstract_state(), batching.abstract_batch(
+                    trainer.batch_shardings, shape, trainer.cfg.data.seq_len)).as_text()
+        dots = fp8.dot_general_dtypes(text)
+        forward = dots.count(("f8E4M3FN", "f8E4M3FN", "f32"))
+        backward = dots.count(("f8E5M2", "f8E4M3FN", "f32"))
+        print(f"phase {phase}, accumulation {accum}: {forward} fp8 forward dots, {backward} "
+              f"backward, {len(dots) - forward - backward} others")
+        assert forward >= projections and backward == 2 * projections, (phase, accum, dots)
+        assert all(not d[0].startswith("f8") and not d[1].startswith("f8")
+                   for d in dots if d not in (("f8E4M3FN", "f8E4M3FN", "f32"),
+                                              ("f8E5M2", "f8E4M3FN", "f32"))), dots
 
 
 @pytest.mark.slow
