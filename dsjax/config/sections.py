@@ -25,6 +25,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary base
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # normal init std of every matrix (HF: initializer_range)
+    loss_chunk: int = 1024  # sequence positions per cross-entropy chunk (docs/loss.md); 0 = off
     # DeepSeek-V2/V3 (docs/moe.md). Every default means "off": standard attention, dense MLP.
     attention: str = "mha"  # mha (grouped-query, DeepSeek-LLM) | mla (latent attention, V2 §2.1)
     q_lora_rank: int = 0  # mla: query compression rank; 0 = one plain q projection

@@ -64,7 +64,7 @@ def validate(cfg: Config) -> None:
 def validate_model(cfg: Config) -> None:
     m = cfg.model
     _bounds("model", m, positive="num_layers hidden_size num_heads num_kv_heads mlp_dim vocab_size "
-            "rope_theta norm_eps init_std", non_negative="head_dim")
+            "rope_theta norm_eps init_std", non_negative="head_dim loss_chunk")
     if m.head_dim == 0 and m.hidden_size % m.num_heads:
         raise ConfigError(f"model.num_heads: hidden_size {m.hidden_size} is not divisible by "
                           f"num_heads {m.num_heads}; set model.head_dim explicitly")

@@ -16,7 +16,8 @@ import numpy as np
 
 from dsjax import fp8, remat
 from dsjax.config import ModelConfig
-from dsjax.model.loss import AUX, weighted_cross_entropy
+from dsjax.model.chunked_loss import output_logits
+from dsjax.model.loss import AUX, head_nll
 from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param, rms_norm
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
@@ -156,8 +157,9 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
                  segment_ids_BS: jax.Array | None = None, targets_BS: jax.Array | None = None,
-                 weights_BS: jax.Array | None = None) -> jax.Array:
-        """Logits [B, S, V]. With targets and weights (training), MTP modules also run; MoE and
+                 weights_BS: jax.Array | None = None, head_inputs: bool = False) -> Any:
+        """Logits [B, S, V]; with `head_inputs`, (final-normed x [B, S, D], head [D, V]) instead,
+        for a loss that applies the head itself (`loss.head_nll`). With targets and weights (training), MTP modules also run; MoE and
         MTP models sow their auxiliary terms into the "aux" collection (`AUX_KEYS`), which
         `apply(..., mutable=["aux"])` returns: "aux_loss" (the weighted sum to add to the mean
         next-token loss), "moe_load" [MoE layers, E] and "mtp_loss" [num_mtp_layers]."""
@@ -204,6 +206,8 @@ class Transformer(nn.Module):
             self.sow(AUX, "aux_loss", aux_loss)
 
         x_BSD = RMSNorm(cfg.norm_eps, name="final_norm")(x_BSD)
+        if head_inputs:
+            return x_BSD, head_DV
         return output_logits(x_BSD, head_DV, self.dtype)
 
     def _mtp(self, h_BSD, embedding_VD, head_DV, tokens_BS, positions_BS, segment_ids_BS,
@@ -248,11 +252,10 @@ class Transformer(nn.Module):
                                                             params["mtp_layers"])})
             if s is not None:
                 stats.append(jax.tree.map(lambda a: a[None], s))
-            logits_BSV = output_logits(rms_norm(h_BSD, params["mtp_norm"][k - 1], cfg.norm_eps),
-                                       head_DV, self.dtype)
             # Target t_{i+k+1} = targets[i + k].
-            sums.append(weighted_cross_entropy(logits_BSV, _ahead(targets_BS, k),
-                                               valid_NBS[k - 1])[0])
+            sums.append(head_nll(rms_norm(h_BSD, params["mtp_norm"][k - 1], cfg.norm_eps),
+                                 head_DV, _ahead(targets_BS, k), valid_NBS[k - 1],
+                                 dtype=self.dtype, chunk=cfg.loss_chunk)[0])
         return jnp.stack(sums), jnp.sum(valid_NBS, axis=(1, 2)), stats
 
     def run_layers(self, x_BSD: jax.Array, stack: Any, positions_BS: jax.Array,
@@ -306,13 +309,6 @@ def embed_tokens(embedding_VD: jax.Array, tokens_BS: jax.Array, dtype: Any) -> j
     """tokens [B, S] -> x [B, S, D] in the compute dtype."""
     x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0).astype(dtype)
     return nn.with_logical_constraint(x_BSD, RESIDUAL)
-
-
-def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
-    """The output head on final-normed x [B, S, D] -> float32 logits [B, S, V]."""
-    logits_BSV = jnp.einsum("BSD,DV->BSV", x_BSD, head_DV.astype(dtype),
-                            preferred_element_type=jnp.float32)
-    return nn.with_logical_constraint(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
 
 
 def abstract_params(cfg: ModelConfig, seq_len: int = 8) -> Any:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax import fp8
+from dsjax.model.chunked_loss import chunked_cross_entropy, output_logits
 
 # The arrays of one batch, each [B, S] (or [k, B/k, S] with accumulation): tokens in, next
 # tokens out, packed-document ids, positions within a document, and per-target loss weights.
@@ -32,6 +33,17 @@ def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,
                                                           dtype=logits_BSV.dtype), axis=-1)
     nll_BS = (logz_BS - target_logit_BS) * weights_BS
     return jnp.sum(nll_BS), jnp.sum(weights_BS)
+
+
+def head_nll(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array,
+             weights_BS: jax.Array, *, dtype: Any, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """The output head on final-normed x [B, S, D] and its (summed weighted NLL, weight sum):
+    over sequence chunks of `chunk` positions (`model.loss_chunk`), or with 0 from the whole
+    [B, S, V] logits."""
+    if chunk:
+        return chunked_cross_entropy(x_BSD, head_DV, targets_BS, weights_BS, dtype=dtype,
+                                     chunk=chunk)
+    return weighted_cross_entropy(output_logits(x_BSD, head_DV, dtype), targets_BS, weights_BS)
 
 
 def _variables(params: Any, fp8_meta: Any) -> dict[str, Any]:
@@ -53,21 +65,27 @@ class ModelLoss:
     def nll_sum(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
                 ) -> tuple[jax.Array, jax.Array]:
         """Sum of next-token NLL over weighted positions, and the weight sum (no MTP heads)."""
-        logits = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
-                                  batch["positions"], batch["segment_ids"])
-        return weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+        x_BSD, head_DV = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
+                                          batch["positions"], batch["segment_ids"],
+                                          head_inputs=True)
+        return self._head_nll(x_BSD, head_DV, batch)
 
     def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
                      ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(mean next-token NLL over weighted positions, the weight sum, the model's auxiliary
         terms): for MoE/MTP models (DeepSeek-V2/V3) "aux_loss" (to add to the NLL: balance and
         MTP losses, weighted), "moe_load" [MoE layers, E] and "mtp_loss"; {} for dense models."""
-        logits, sown = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
-                                        batch["positions"], batch["segment_ids"],
-                                        batch["targets"], batch["weights"], mutable=[AUX])
-        total, count = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+        (x_BSD, head_DV), sown = self.model.apply(
+            _variables(params, fp8_meta), batch["inputs"], batch["positions"],
+            batch["segment_ids"], batch["targets"], batch["weights"], head_inputs=True,
+            mutable=[AUX])
+        total, count = self._head_nll(x_BSD, head_DV, batch)
         aux = {key: values[0] for key, values in sown.get(AUX, {}).items()}  # sow keeps tuples
         return total / jnp.maximum(count, 1.0), count, aux
+
+    def _head_nll(self, x_BSD, head_DV, batch):
+        return head_nll(x_BSD, head_DV, batch["targets"], batch["weights"],
+                        dtype=self.model.dtype, chunk=self.model.cfg.loss_chunk)
 
 
 def loss_fn(params: Any, objective: Any, batch: dict[str, jax.Array], fp8_meta: Any = None

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8, sharding
-from dsjax.model.decoder import Transformer, embed_tokens, output_logits
+from dsjax.model.decoder import Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
-from dsjax.model.loss import weighted_cross_entropy
+from dsjax.model import loss
 
 STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
 # The MTP modules' params: replicated over the stages, run with the head (`mtp_terms`).
@@ -172,5 +172,5 @@ def head_nll(model: Transformer, top: Any, x_BSD: jax.Array, targets_BS: jax.Arr
              weights_BS: jax.Array) -> jax.Array:
     """Final norm, output head and summed weighted NLL of final-stage activations."""
     x_BSD = RMSNorm(model.cfg.norm_eps, parent=None).apply({"params": top["final_norm"]}, x_BSD)
-    logits_BSV = output_logits(x_BSD, top["lm_head"], model.dtype)
-    return weighted_cross_entropy(logits_BSV, targets_BS, weights_BS)[0]
+    return loss.head_nll(x_BSD, top["lm_head"], targets_BS, weights_BS, dtype=model.dtype,
+                         chunk=model.cfg.loss_chunk)[0]

@@ -1,0 +1,127 @@
+"""The output head, and its cross-entropy computed over sequence chunks so that the [B, S, V]
+float32 logits never exist at once.
+
+The one idea: the loss needs only two numbers per token from the logits (their logsumexp and the
+target's logit), and its gradient only (softmax - onehot(target)) * weight per chunk. So a
+`lax.scan` over chunks of `chunk` positions computes the logits of one [B, c, V] chunk at a time,
+keeps the per-token logsumexp [B, S] as the only residual, and the backward recomputes each
+chunk's logits. See docs/loss.md. Shape letters (beyond the package legend): n chunks, c positions
+per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LOGITS = ("act_batch", "act_seq", "act_vocab")  # vocab over `tensor`, batch over `data`
+
+
+def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
+    """The output head on final-normed x [B, S, D] -> float32 logits [B, S, V]."""
+    logits_BSV = jnp.einsum("BSD,DV->BSV", x_BSD.astype(dtype), head_DV.astype(dtype),
+                            preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits_BSV, LOGITS)
+
+
+def chunked_cross_entropy(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array,
+                          weights_BS: jax.Array, *, dtype: Any, chunk: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted next-token NLL in nats, sum of weights), float32: the value of
+    `weighted_cross_entropy(output_logits(x, head, dtype), targets, weights)` with logits made
+    `chunk` sequence positions at a time ([B, chunk, V] each; S need not divide by it). The head
+    matmuls run in `dtype` with float32 accumulation, forward and backward."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    B, S, D = x_BSD.shape
+    c = min(chunk, S)
+    n = -(-S // c)
+    pad = n * c - S  # padded positions get weight 0 (and target 0): they add nothing
+
+    def split(a, fill=0):  # [B, S, ...] -> [n, B, c, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return a.reshape(B, n, c, *a.shape[2:]).swapaxes(0, 1)
+
+    total = _chunked_nll(split(x_BSD), head_DV, split(targets_BS), split(weights_BS), dtype)
+    return total, jnp.sum(weights_BS.astype(jnp.float32))
+
+
+def _logits(x_BcD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
+    return output_logits(x_BcD, head_DV, dtype)  # [B, c, V] float32
+
+
+def _is_target(logits_BcV: jax.Array, targets_Bc: jax.Array) -> jax.Array:
+    """[B, c, V] bool, the target's vocab entry. A compare against the vocab index, not a gather:
+    the iota is partitioned with the vocab axis, so each `tensor` shard tests its own slice, and
+    a select-and-sum is one all-reduce of [B, c]. (take_along_axis with the vocab over `tensor`
+    crashes XLA's SPMD partitioner inside the pipeline's shard_map; see docs/loss.md.)"""
+    return lax.broadcasted_iota(jnp.int32, logits_BcV.shape, 2) == targets_Bc[..., None]
+
+
+def _target_logit(logits_BcV: jax.Array, hit_BcV: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(hit_BcV, logits_BcV, 0.0), axis=-1)
+
+
+def _forward(x_nBcD, head_DV, targets_nBc, dtype):
+    """Per token: logsumexp and target logit [n, B, c], one chunk's logits at a time."""
+    def chunk_stats(_, xs):
+        x_BcD, t_Bc = xs
+        logits_BcV = _logits(x_BcD, head_DV, dtype)
+        target_Bc = _target_logit(logits_BcV, _is_target(logits_BcV, t_Bc))
+        return None, (jax.nn.logsumexp(logits_BcV, axis=-1), target_Bc)
+
+    return lax.scan(chunk_stats, None, (x_nBcD, targets_nBc))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_nll(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype):
+    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype)
+    return jnp.sum((lse_nBc - target_nBc) * weights_nBc)
+
+
+def _chunked_nll_fwd(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype):
+    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype)
+    total = jnp.sum((lse_nBc - target_nBc) * weights_nBc)
+    return total, (x_nBcD, head_DV, targets_nBc, weights_nBc, lse_nBc)
+
+
+def _chunked_nll_bwd(dtype, res, g):
+    x_nBcD, head_DV, targets_nBc, weights_nBc, lse_nBc = res
+    head_c = head_DV.astype(dtype)
+
+    def chunk_grads(xs):
+        """One chunk: (dL/dhead [D, V] float32, (dL/dx [B, c, D], dL/dweights [B, c]))."""
+        x_BcD, t_Bc, w_Bc, lse_Bc = xs
+        logits_BcV = _logits(x_BcD, head_DV, dtype)
+        p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
+        hit_BcV = _is_target(logits_BcV, t_Bc)  # softmax - onehot(target) as a select
+        scale_Bc = (g * w_Bc).astype(jnp.float32)
+        dlogits_BcV = (jnp.where(hit_BcV, p_BcV - 1.0, p_BcV) * scale_Bc[..., None]).astype(dtype)
+        dlogits_BcV = nn.with_logical_constraint(dlogits_BcV, LOGITS)
+        dx_BcD = jnp.einsum("BcV,DV->BcD", dlogits_BcV, head_c,
+                            preferred_element_type=jnp.float32).astype(x_BcD.dtype)
+        dhead_DV = jnp.einsum("BcD,BcV->DV", x_BcD.astype(dtype), dlogits_BcV,
+                              preferred_element_type=jnp.float32)
+        dw_Bc = (g * (lse_Bc - _target_logit(logits_BcV, hit_BcV))).astype(w_Bc.dtype)
+        return dhead_DV, (dx_BcD, dw_Bc)
+
+    xs = (x_nBcD, targets_nBc, weights_nBc, lse_nBc)
+    # The first chunk outside the scan: its dhead starts the accumulator with the right type
+    # (inside shard_map, varying over the same manual axes as the later chunks' sums).
+    dhead_DV, first = chunk_grads(jax.tree.map(lambda a: a[0], xs))
+
+    def body(acc_DV, chunk_xs):
+        d_DV, out = chunk_grads(chunk_xs)
+        return acc_DV + d_DV, out
+
+    dhead_DV, rest = lax.scan(body, dhead_DV, jax.tree.map(lambda a: a[1:], xs))
+    dx_nBcD, dw_nBc = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+    return dx_nBcD, dhead_DV.astype(head_DV.dtype), None, dw_nBc
+
+
+_chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
