@@ -7,11 +7,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
+import launching
 from conftest import ROOT, TINY_FLAGS, file_digests, run_launch
 from dsjax import checkpoint as ckpt
 
@@ -22,49 +21,8 @@ FLAGS = {"train.steps": STEPS, "checkpoint.every": 4, "metrics.profile_every": 0
          "train.sample_tokens": 0, "metrics.tensorboard": False}
 
 
-def _records(workdir):
-    """{step: loss}; a step run twice (before a crash and after the resume) keeps its last."""
-    out = {}
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r:
-                out[r["step"]] = r["loss"]
-    return out
-
-
 def _start(workdir, overrides=None, extra=(), stderr=subprocess.PIPE):
-    flags = {**TINY_FLAGS, **FLAGS, **(overrides or {})}
-    cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--workdir={workdir}"]
-    cmd += [f"--config.{k}={v}" for k, v in flags.items()] + list(extra)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr,
-                            text=True)
-
-
-def _wait_for(predicate, proc, timeout=600):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended early (rc {proc.returncode}): "
-                                 f"{proc.stderr.read()[-2000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("timed out")
-        time.sleep(0.002)
-
-
-def _logged_steps(workdir):
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return 0
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for _ in f)
-
-
-def _complete_steps(workdir):
-    d = os.path.join(workdir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+    return launching.start(workdir, {**FLAGS, **(overrides or {})}, extra=extra, stderr=stderr)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +31,7 @@ def reference(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("reference") / "run")
     proc = run_launch(workdir, FLAGS, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = _records(workdir)
+    losses = launching.losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return workdir, losses
 
@@ -86,16 +44,16 @@ def test_time_budget_then_sigterm_then_resume_reproduces_the_run(reference, tmp_
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     assert "stopped early at step" in out and "max_runtime 1s reached" in out, out[-2000:]
-    stopped_at = _complete_steps(workdir)[-1]
+    stopped_at = launching.complete_steps(workdir)[-1]
     assert 1 <= stopped_at < STEPS
     # 2. Resume; SIGTERM after a few more steps: the step in flight finishes, then a checkpoint.
     proc = _start(workdir)
-    _wait_for(lambda: _logged_steps(workdir) >= stopped_at + 3, proc)
+    launching.wait_for(lambda: launching.logged_steps(workdir) >= stopped_at + 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM received" in err and "stopped early at step" in out, (out[-1500:], err[-1500:])
-    second_stop = _complete_steps(workdir)[-1]
+    second_stop = launching.complete_steps(workdir)[-1]
     assert stopped_at < second_stop < STEPS
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         assert json.load(f)["steps_done"] == second_stop
@@ -103,7 +61,7 @@ def test_time_budget_then_sigterm_then_resume_reproduces_the_run(reference, tmp_
     proc = run_launch(workdir, FLAGS, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from step {second_stop}" in proc.stdout
-    assert _records(workdir) == want
+    assert launching.losses(workdir) == want
 
 
 def test_second_signal_exits_at_once_and_the_last_checkpoint_survives(reference, tmp_path):
@@ -112,23 +70,23 @@ def test_second_signal_exits_at_once_and_the_last_checkpoint_survives(reference,
     err_path = str(tmp_path / "stderr.txt")
     with open(err_path, "w", encoding="utf-8") as err_file:
         proc = _start(workdir, stderr=err_file)
-        _wait_for(lambda: len(_complete_steps(workdir)) >= 1 and _logged_steps(workdir) >= 6,
+        launching.wait_for(lambda: len(launching.complete_steps(workdir)) >= 1 and launching.logged_steps(workdir) >= 6,
                   proc)
         proc.send_signal(signal.SIGTERM)
         # Signals that arrive together are delivered once: the second goes once the first is
         # handled (the trainer is then finishing its step, with a checkpoint to write).
-        _wait_for(lambda: "SIGTERM received" in open(err_path, encoding="utf-8").read(), proc)
+        launching.wait_for(lambda: "SIGTERM received" in open(err_path, encoding="utf-8").read(), proc)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=900)
     err = open(err_path, encoding="utf-8").read()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "second signal (SIGTERM): exiting now" in err
-    steps = _complete_steps(workdir)
+    steps = launching.complete_steps(workdir)
     assert steps and all(ckpt.verify(os.path.join(workdir, "checkpoints", str(s))) is None
                          for s in steps)
     proc = run_launch(workdir, FLAGS, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _records(workdir) == want
+    assert launching.losses(workdir) == want
 
 
 def test_kill_9_during_a_checkpoint_save_resumes_from_the_last_complete_one(reference, tmp_path):
@@ -136,40 +94,20 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_last_complete_one(refe
     workdir = str(tmp_path / "run")
     ckpt_dir = os.path.join(workdir, "checkpoints")
 
-    def saving():  # a step directory is being written (after at least two complete ones)
-        names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
-        return (sum(n.isdigit() for n in names) >= 2
-                and any(ckpt.TMP_SUFFIX in n for n in names))
-
     proc = _start(workdir, {"checkpoint.every": 1})
-    _wait_for(saving, proc)
+    launching.wait_for(lambda: launching.saving(workdir), proc)
     proc.kill()  # SIGKILL: no handler, no cleanup
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     left = [n for n in os.listdir(ckpt_dir) if ckpt.TMP_SUFFIX in n]
     assert left, "the kill was meant to land mid-save"
-    last = _complete_steps(workdir)[-1]
+    last = launching.complete_steps(workdir)[-1]
     proc = run_launch(workdir, FLAGS, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "a checkpoint save that never finished" in proc.stdout, proc.stdout[-2000:]
     assert f"resumed from step {last}" in proc.stdout
     assert not [n for n in os.listdir(ckpt_dir) if ckpt.TMP_SUFFIX in n]
-    assert _records(workdir) == want
-
-
-def _tamper(step_dir, how):
-    files = [os.path.join(r, n) for r, _, names in os.walk(step_dir) for n in names
-             if n != ckpt.MANIFEST and "params" in r]
-    target = max(files, key=os.path.getsize)
-    with open(target, "r+b") as f:
-        if how == "truncate":
-            f.truncate(os.path.getsize(target) // 2)
-        else:  # flip one byte in the middle: same size, different values
-            f.seek(os.path.getsize(target) // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    return target
+    assert launching.losses(workdir) == want
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -177,11 +115,11 @@ def test_corrupt_checkpoint_stops_unless_fallback_is_allowed(reference, tmp_path
     ref_dir, want = reference
     workdir = str(tmp_path / "run")
     shutil.copytree(ref_dir, workdir)
-    last = _complete_steps(workdir)[-1]
+    last = launching.complete_steps(workdir)[-1]
     assert last == STEPS
     # Damage the newest checkpoint of the finished run: eval and resume refuse it; with
     # --allow_fallback the run retrains the last 4 steps from the previous checkpoint.
-    target = _tamper(os.path.join(workdir, "checkpoints", str(last)), how)
+    target = launching.tamper(os.path.join(workdir, "checkpoints", str(last)), how)
     proc = run_launch(workdir, FLAGS, mode="eval")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"checkpoint step {last}" in proc.stderr and target in proc.stderr, proc.stderr
@@ -192,14 +130,14 @@ def test_corrupt_checkpoint_stops_unless_fallback_is_allowed(reference, tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"checkpoint step {last}" in proc.stderr and "is corrupt" in proc.stderr
     assert target in proc.stderr and "--allow_fallback" in proc.stderr
-    assert _complete_steps(workdir)[-1] == last  # nothing moved or deleted without the flag
+    assert launching.complete_steps(workdir)[-1] == last  # nothing moved or deleted without the flag
     proc = _start(workdir, extra=["--allow_fallback"])
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     assert f"resumed from step {last - 4}" in out, out[-2000:]
     moved = os.listdir(os.path.join(workdir, "checkpoints.corrupt"))
     assert [m.split("-")[0] for m in moved] == [str(last)]  # set aside, not deleted
-    assert _records(workdir) == want  # the re-run steps reproduce the reference exactly
+    assert launching.losses(workdir) == want  # the re-run steps reproduce the reference exactly
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 1, 1)])
@@ -262,8 +200,8 @@ def after_step_8(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("continue") / "base")
     proc = run_launch(base, CONT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want = _records(base)
-    assert sorted(want) == list(range(1, 17)) and _complete_steps(base) == [4, 8, 12, 16]
+    want = launching.losses(base)
+    assert sorted(want) == list(range(1, 17)) and launching.complete_steps(base) == [4, 8, 12, 16]
     template = str(tmp_path_factory.mktemp("continue") / "after8")
     shutil.copytree(base, template)
     for step in (12, 16):
@@ -299,12 +237,12 @@ def test_fp8_recipe_change_resumes_with_fresh_fp8_state(after_step_8, tmp_path):
     assert "resumed from step 8" in out
     assert sum("warning" in line for line in out.splitlines()) == 1, out[-3000:]
     assert not os.path.exists(os.path.join(workdir, "checkpoints.corrupt"))
-    assert _complete_steps(workdir) == [4, 8, 12]
+    assert launching.complete_steps(workdir) == [4, 8, 12]
     after = file_digests(os.path.join(workdir, "checkpoints"))
     assert {k: v for k, v in after.items() if k.split(os.sep)[0] in ("4", "8")} == before
     # Step 9's loss is the restored weights' (before any update), in fp8 instead of float32:
     # quantisation error only (measured 0.0002). Fresh weights would be at ~6.3, step 8 is ~4.9.
-    assert _records(workdir)[9] == pytest.approx(want[9], abs=0.05)
+    assert launching.losses(workdir)[9] == pytest.approx(want[9], abs=0.05)
 
 
 def test_adamw_to_onebit_adam_carries_the_moments_over(after_step_8, tmp_path):
@@ -316,7 +254,7 @@ def test_adamw_to_onebit_adam_carries_the_moments_over(after_step_8, tmp_path):
             "to onebit_adam; Adam's moments (mu, nu) carry over by parameter and its step "
             "counters continue from the checkpoint's step") in out, out[-3000:]
     assert "resumed from step 8" in out
-    got = _records(workdir)
+    got = launching.losses(workdir)
     assert got[9] == want[9]  # the restored weights, before any update: bit for bit
     # Steps 9 and 10 update with the carried moments through 1-bit Adam's exact phase (no bias
     # correction, as DeepSpeed): measured 0.0009 and 0.0039 from AdamW's losses at steps 10
@@ -336,7 +274,7 @@ def test_batch_policy_change_keeps_the_cursor_and_starts_the_controller_fresh(af
     assert ("warning: checkpoint step 8: the batch-size controller starts fresh at batch 8: "
             "batch.policy changed from fixed to adaptive (the data cursor is restored)") in out, \
         out[-3000:]
-    got = _records(workdir)
+    got = launching.losses(workdir)
     # Same weights, optimizer state and data position, still at batch 8: bit for bit.
     assert (got[9], got[10]) == (want[9], want[10])
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
