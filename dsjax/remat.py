@@ -6,6 +6,7 @@ block tags its intermediates with `checkpoint_name` so policies can name them:
 
   q_proj, k_proj, v_proj   projections after RoPE            [B, S, H|N, K]
   attn_context             softmax(qk) v, before o           [B, S, H, K]
+  attn_lse                 flash: row logsumexp, its backward's other residual [B, H, S]
   attn_out                 output projection                 [B, S, D]
   mlp_gate, mlp_up         the two input projections         [B, S, F]
   mlp_hidden               silu(gate) * up                   [B, S, F]
@@ -20,7 +21,10 @@ Policies (`remat.policy`):
   dots            save every matmul output (jax's `checkpoint_dots`)
   dots_no_batch   save matmul outputs without batch dims (weights-like dots), recompute the rest
   attention_core  save every tagged tensor except the attention core (Megatron-LM's selective
-                  recompute: the S x S logits/softmax are recomputed, the projections are not)
+                  recompute: the S x S logits/softmax are recomputed, the projections are not).
+                  A flash core never stores S x S: this policy saves its residuals (attn_context,
+                  attn_lse) and nothing is recomputed; cudnn/pallas rerun their forward kernel
+                  (docs/attention.md)
   names:a,b,...   save only the named tensors
   offload:a,b,... save the named tensors by offloading them to host memory (on CPU offloading is
                   a no-op: the table shows the same memory as `names:`)
@@ -38,9 +42,9 @@ from typing import Callable
 
 from dsjax.errors import RematError, unknown_choice
 
-TAGS = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out", "mlp_gate", "mlp_up",
-        "mlp_hidden", "mlp_out", "kv_latent", "moe_routed")
-ATTENTION_CORE = ("attn_context",)
+TAGS = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_lse", "attn_out", "mlp_gate",
+        "mlp_up", "mlp_hidden", "mlp_out", "kv_latent", "moe_routed")
+ATTENTION_CORE = ("attn_context", "attn_lse")  # what `attention_core` drops (but for flash)
 POLICIES = ("none", "full", "dots", "dots_no_batch", "attention_core", "names:", "offload:")
 # as an error message lists them: "auto" is remat_plan's, chosen before a policy is built
 _LISTED = tuple(p + "<tags>" if p.endswith(":") else p for p in POLICIES) + ("auto",)
@@ -55,8 +59,9 @@ def _names(spec: str, prefix: str) -> tuple[str, ...]:
     return names
 
 
-def checkpoint_policy(name: str) -> tuple[bool, Callable | None]:
-    """(wrap the block in `jax.checkpoint`?, the policy) for one policy name."""
+def checkpoint_policy(name: str, attention_impl: str = "xla") -> tuple[bool, Callable | None]:
+    """(wrap the block in `jax.checkpoint`?, the policy) for one policy name and the attention
+    core's (concrete) implementation."""
     import jax  # local: config validation uses this module before JAX may be imported
 
     cp = jax.checkpoint_policies
@@ -69,7 +74,8 @@ def checkpoint_policy(name: str) -> tuple[bool, Callable | None]:
     if name == "dots_no_batch":
         return True, cp.dots_with_no_batch_dims_saveable
     if name == "attention_core":
-        return True, cp.save_only_these_names(*[t for t in TAGS if t not in ATTENTION_CORE])
+        recompute = ATTENTION_CORE if attention_impl != "flash" else ()
+        return True, cp.save_only_these_names(*[t for t in TAGS if t not in recompute])
     if name.startswith("names:"):
         return True, cp.save_only_these_names(*_names(name, "names:"))
     if name.startswith("offload:"):

@@ -88,6 +88,14 @@ SMOKE = {
                                         "{out}/comm.json"],
                          "comm.json", {"config", "exact_bytes", "compressed_bytes", "ratio"},
                          None),
+    # 4 heads x 16 and MLA 4 x (8 + 8, v 16), S 64 and 128 (flash blocks 48: several, ragged)
+    "attention_table": ("attention_table", ["--heads", "4", "--head_dim", "16", "--mla_dims",
+                                            "4,8,8,16", "--seq_lens", "64,128", "--check_seq",
+                                            "128", "--block", "48", "--rounds", "1", "--out",
+                                            "{out}/attention.json"],
+                        "attention.json", {"rows", "backend", "dims", *LOAD_KEYS},
+                        {"impl", "seq_len", "attention", "temp_bytes", "max_abs_diff",
+                         "grad_max_abs_diff", "ms"}),
     "fp8_hlo": ("fp8_hlo", ["--config", "configs/h100_fp8.py:smoke", "--out", "{out}/fp8.json"],
                 "fp8.json", {"config", "fp8_dots", "expected_fp8_dots", "high_precision_dots",
                              "expected_high_precision_dots", "cublas_fp8_gemms",
@@ -126,6 +134,8 @@ DOCUMENTED = {
     "python benchmarks/comm_bytes.py --config ...": "comm_bytes",
     "python benchmarks/comm_bytes.py --config configs/h100_fp8.py:smoke "
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
+    "python benchmarks/attention_table.py --no_time "
+    "--out benchmarks/results/attention_table_cpu.json": "attention_table",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke": "fp8_hlo",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke "
     "--out benchmarks/results/fp8_hlo_smoke.json": "fp8_hlo",
@@ -183,7 +193,7 @@ def test_every_documented_command_has_a_smoke_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["step_time", "compare_overrides", "pipeline_table",
                                   "pipeline_table_flags", "remat_table", "comm_bytes",
-                                  "comm_bytes_smoke", "fp8_hlo"])
+                                  "comm_bytes_smoke", "fp8_hlo", "attention_table"])
 def test_documented_command(name, tmp_path):
     printed, result = run_smoke(name, tmp_path)
     if name == "step_time":
@@ -210,6 +220,15 @@ def test_documented_command(name, tmp_path):
         assert 0 < result["compressed_bytes"] < result["exact_bytes"]
     elif name == "fp8_hlo":
         assert result["fp8_dots"] > 0
+    elif name == "attention_table":
+        rows = {(r["attention"], r["impl"], r["seq_len"]): r for r in result["rows"]}
+        assert {impl for _, impl, _ in rows} == {"xla", "flash"}  # CPU: cudnn/pallas need a GPU
+        for kind in ("mha", "mla"):
+            flash = rows[kind, "flash", 128]
+            # float32: the blockwise softmax differs from xla by rounding only
+            assert flash["max_abs_diff"] < 1e-4 and flash["grad_max_abs_diff"] < 1e-4, flash
+            assert flash["temp_bytes"] < rows[kind, "xla", 128]["temp_bytes"]
+            assert flash["ms"] > 0
 
 
 def test_pipeline_table_reports_rows_that_do_not_split():

@@ -5,6 +5,7 @@ randomised norm scales (so a missed transpose, a wrong head order or an ignored 
 logits by O(1), far outside the tolerances), saved with `save_pretrained` as safetensors.
 """
 
+import dataclasses
 import json
 import os
 import pickle
@@ -84,7 +85,9 @@ def quiet(*_):
     (dict(num_attention_heads=8, num_key_value_heads=2, rope_theta=50000.0), "40KB"),
     (dict(head_dim=32, rms_norm_eps=1e-5, rope_theta=500000.0), "5GB"),
 ], ids=["mha", "gqa-8x2-sharded", "head_dim-32"])
-def test_logits_match_transformers(tmp_path, overrides, shard):
+# flash in blocks of 32 x 16 over 80 positions: several blocks, a ragged last one (attention.py)
+@pytest.mark.parametrize("impl", ["auto", "flash"])
+def test_logits_match_transformers(tmp_path, overrides, shard, impl):
     hf_cfg = save_random_llama(tmp_path / "hf", seed=1, max_shard_size=shard, **overrides)
     cfg = convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=quiet)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.rope_theta) == (
@@ -92,7 +95,9 @@ def test_logits_match_transformers(tmp_path, overrides, shard):
         hf_cfg.rope_parameters["rope_theta"])
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 80))  # > 64 positions
     want = hf_logits(tmp_path / "hf", tokens)
-    got = dsjax_logits(dsjax_params(str(tmp_path / "ckpt"), cfg), cfg, tokens)
+    params = dsjax_params(str(tmp_path / "ckpt"), cfg)
+    cfg = dataclasses.replace(cfg, attention_impl=impl, attention_block_q=32, attention_block_k=16)
+    got = dsjax_logits(params, cfg, tokens)
     assert want.std() > 0.5  # O(1) logits: a wrong mapping cannot hide under the tolerance
     # float32 on both sides; only summation order differs (measured max |diff| ~1e-5).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

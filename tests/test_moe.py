@@ -106,8 +106,10 @@ def test_config_maps_every_deepseek_field(converted):
     assert cfg.rope_scaling == ("none" if version == 2 else "yarn")
 
 
-def test_logits_match_transformers(converted):
+@pytest.mark.parametrize("impl", ["auto", "flash"])  # flash: 96 positions in blocks of 32 x 16
+def test_logits_match_transformers(converted, impl):
     _, _, model, cfg, params = converted
+    cfg = dataclasses.replace(cfg, attention_impl=impl, attention_block_q=32, attention_block_k=16)
     # 96 positions: past YaRN's 32-token original context and its ramp.
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 96))
     with torch.no_grad():

@@ -56,6 +56,10 @@ class ModelConfig:
     capacity_factor: float = 0.0  # MoE: slots per expert = factor * tokens * k / E; 0 = dropless
     num_mtp_layers: int = 0  # multi-token prediction modules (V3 §2.2); 0 = off
     mtp_loss_weight: float = 0.3  # MTP: weight of the mean MTP loss in the training loss
+    # docs/attention.md: the attention core's implementation and flash's tile sizes
+    attention_impl: str = "auto"  # xla | flash | cudnn | pallas | auto (per backend, dtype, S)
+    attention_block_q: int = 512  # flash: query rows per block
+    attention_block_k: int = 512  # flash: key rows per block
 
     @property
     def resolved_head_dim(self) -> int:

@@ -29,6 +29,7 @@ PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 BATCH_POLICIES = ("fixed", "ramp", "adaptive")
 LR_SCALINGS = ("none", "linear", "sqrt")
 ATTENTION_KINDS = ("mha", "mla")
+ATTENTION_IMPLS = ("xla", "flash", "cudnn", "pallas", "auto")  # per backend: model/attention.py
 ROPE_SCALINGS = ("none", "yarn")
 MOE_SCORINGS = ("softmax", "sigmoid")
 
@@ -75,6 +76,8 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(f"model.num_kv_heads: num_heads {m.num_heads} is not a multiple of "
                           f"num_kv_heads {m.num_kv_heads}")
     validate_deepseek(m)
+    one_of("model.attention_impl", m.attention_impl, ATTENTION_IMPLS, "implementation")
+    _bounds("model", m, positive="attention_block_q attention_block_k")
     if m.expert_parallel and m.n_routed_experts % cfg.mesh.data:
         raise ConfigError(f"model.n_routed_experts: {m.n_routed_experts} experts cannot be split "
                           f"over mesh.data {cfg.mesh.data} (model.expert_parallel)")

@@ -15,14 +15,17 @@ def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unrol
                for_eval: bool = False) -> Transformer:
     """The decoder `cfg` describes. `layer_policies`: per-layer remat policy names (default: from
     `cfg.remat`); `unroll`: unroll the layer scan (FLOP counting); `for_eval`: delayed fp8
-    scaling evaluates with current scaling (its amax history is training state)."""
+    scaling evaluates with current scaling (its amax history is training state). An attention
+    impl the backend cannot run is a ConfigError here, before anything is allocated."""
     if layer_policies is None:
         layer_policies = remat.layer_policies(cfg.remat.policy, cfg.remat.layers,
                                               cfg.model.num_layers)
     policy = fp8_policy(cfg, for_eval)
     dtype = cfg.train.compute_dtype if policy is None else cfg.fp8.other_dtype
-    return Transformer(cfg.model, dtype=COMPUTE_DTYPES[dtype], layer_policies=layer_policies,
-                       scan_unroll=unroll, fp8_policy=policy)
+    model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[dtype], layer_policies=layer_policies,
+                        scan_unroll=unroll, fp8_policy=policy)
+    model.attention_impl(cfg.data.seq_len)  # an impl this backend cannot run: ConfigError here
+    return model
 
 
 def fp8_policy(cfg: Config, for_eval: bool = False) -> fp8.Fp8Policy | None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from dsjax import fp8, remat
 from dsjax.config import ModelConfig
+from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
 from dsjax.model.loss import AUX, head_nll
 from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param, rms_norm
@@ -42,15 +43,20 @@ class DecoderBlock(nn.Module):
     fp8_policy: fp8.Fp8Policy | None = None  # projections run as fp8 GEMMs; None: none do
     mla: tuple[tuple[str, Any], ...] = ()  # MLA fields (mla.mla_fields); () = `Attention`
     moe: tuple[tuple[str, Any], ...] = ()  # MoE fields (moe.moe_fields); () = dense `SwiGLU`
+    attention_impl: str = "xla"  # concrete: attention.resolve_impl (model.attention_impl)
+    attention_blocks: tuple[int, int] = (512, 512)  # flash (block_q, block_k)
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
+        core = dict(attention_impl=self.attention_impl, attention_block_q=self.attention_blocks[0],
+                    attention_block_k=self.attention_blocks[1])
         if self.mla:
-            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_policy=self.fp8_policy, name="attn")
+            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_policy=self.fp8_policy, **core,
+                       name="attn")
         else:
             attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
-                             self.init_std, self.dtype, self.fp8_policy, name="attn")
+                             self.init_std, self.dtype, self.fp8_policy, **core, name="attn")
         h_BSD = x_BSD + attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
                              segment_ids_BS)
         h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)
@@ -82,14 +88,22 @@ class Transformer(nn.Module):
     scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
     fp8_policy: fp8.Fp8Policy | None = None
 
-    def _block(self, use_fp8: bool, moe: bool = False) -> DecoderBlock:
+    def _block(self, use_fp8: bool, moe: bool = False, attention_impl: str = "xla"
+               ) -> DecoderBlock:
         cfg = self.cfg
         return DecoderBlock(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                             cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype,
                             self.fp8_policy if use_fp8 else None,
                             mla=mla_fields(cfg) if cfg.attention == "mla" else (),
                             moe=moe_fields(cfg) if moe else (),
+                            attention_impl=attention_impl,
+                            attention_blocks=(cfg.attention_block_q, cfg.attention_block_k),
                             parent=None)  # detached: `run_layers` works on an unbound module too
+
+    def attention_impl(self, seq_len: int) -> str:
+        """The attention core's implementation at this sequence length (model.attention_impl,
+        "auto" resolved for this backend and compute dtype)."""
+        return resolve_impl(self.cfg, current_backend(), self.dtype, seq_len)
 
     def _stacks(self) -> list[tuple[str, int, int, bool]]:
         """(param name, first layer, end layer, MoE?) of each scanned stack. Dense models have one,
@@ -110,7 +124,8 @@ class Transformer(nn.Module):
         x = jnp.zeros((1, 1, cfg.hidden_size), self.dtype)
         pos, seg = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
         keys = jax.random.split(rng, cfg.num_layers if count is None else count)
-        block = self._block(use_fp8=True, moe=moe)  # every layer carries fp8 state: one layout
+        # every layer carries fp8 state: one layout; params do not depend on the attention impl
+        block = self._block(use_fp8=True, moe=moe)
         stacked = jax.vmap(lambda k: block.init(k, x, pos, seg)[collection])(keys)
         boxed = lambda b: isinstance(b, nn.LogicallyPartitioned)
         # fp8 meta leaves are not boxed: they stay replicated (small, and every device needs them).
@@ -120,7 +135,8 @@ class Transformer(nn.Module):
     def _layer_fn(self, policy: str, use_fp8: bool, positions_BS, segment_ids_BS,
                   moe: bool = False):
         """(x, layer variables) -> (x, MoE stats or None)."""
-        block = self._block(use_fp8, moe)
+        impl = self.attention_impl(positions_BS.shape[1])
+        block = self._block(use_fp8, moe, impl)
 
         def apply(x_BSD, variables):
             if fp8.META_COLLECTION in variables:
@@ -130,7 +146,7 @@ class Transformer(nn.Module):
                              fp8.with_max_grad(variables[fp8.META_COLLECTION])}
             return block.apply(variables, x_BSD, positions_BS, segment_ids_BS)
 
-        use_remat, checkpoint_policy = remat.checkpoint_policy(policy)
+        use_remat, checkpoint_policy = remat.checkpoint_policy(policy, impl)
         if not use_remat:
             return apply
         # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8
+from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (re-export)
 
 Dtype = Any
 
@@ -71,14 +72,6 @@ def apply_rope(x_BSHK: jax.Array, positions_BS: jax.Array, theta: float) -> jax.
     return (x * jnp.cos(angles_BS1K) + rotated * jnp.sin(angles_BS1K)).astype(x_BSHK.dtype)
 
 
-def attention_mask(segment_ids_BS: jax.Array) -> jax.Array:
-    """[B, S, T] True where query s may attend to key t: causal, and within the same document."""
-    seq = segment_ids_BS.shape[1]
-    causal_ST = jnp.tril(jnp.ones((seq, seq), dtype=jnp.bool_))
-    same_doc_BST = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
-    return causal_ST[None] & same_doc_BST
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query attention with a causal, segment-aware mask; no biases."""
     num_heads: int
@@ -88,13 +81,15 @@ class Attention(nn.Module):
     init_std: float
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, v, o
+    attention_impl: str = "xla"  # concrete (attention.resolve_impl); the core's implementation
+    attention_block_q: int = 512  # flash tiles (model.attention_block_q / _k)
+    attention_block_k: int = 512
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
                  segment_ids_BS: jax.Array) -> jax.Array:
         d_model = x_BSD.shape[-1]
         H, N, K = self.num_heads, self.num_kv_heads, self.head_dim
-        R = H // N
         w_q = _param(self, "q", (d_model, H, K), ("embed", "heads", "head_dim"), self.init_std)
         w_k = _param(self, "k", (d_model, N, K), ("embed", "kv_heads", "head_dim"), self.init_std)
         w_v = _param(self, "v", (d_model, N, K), ("embed", "kv_heads", "head_dim"), self.init_std)
@@ -109,15 +104,10 @@ class Attention(nn.Module):
         k_BTNK = checkpoint_name(apply_rope(k_BTNK, positions_BS, self.rope_theta), "k_proj")
         v_BTNK = checkpoint_name(v_BTNK, "v_proj")
 
-        B, S = x.shape[:2]
-        q_BSNRK = q_BSHK.reshape(B, S, N, R, K)
-        logits_BNRST = jnp.einsum("BSNRK,BTNK->BNRST", q_BSNRK, k_BTNK,
-                                  preferred_element_type=jnp.float32) * (K ** -0.5)
-        mask_B11ST = attention_mask(segment_ids_BS)[:, None, None]
-        logits_BNRST = jnp.where(mask_B11ST, logits_BNRST, jnp.finfo(jnp.float32).min)
-        probs_BNRST = jax.nn.softmax(logits_BNRST, axis=-1).astype(self.dtype)
-        ctx_BSNRK = jnp.einsum("BNRST,BTNK->BSNRK", probs_BNRST, v_BTNK)
-        ctx_BSHK = checkpoint_name(ctx_BSNRK.reshape(B, S, H, K), "attn_context")
+        ctx_BSHK = attention_core(q_BSHK, k_BTNK, v_BTNK, segment_ids_BS, scale=K ** -0.5,
+                                  impl=self.attention_impl, block_q=self.attention_block_q,
+                                  block_k=self.attention_block_k, dtype=self.dtype)
+        ctx_BSHK = checkpoint_name(ctx_BSHK, "attn_context")
         return checkpoint_name(_project(self, "o", "BSHK,HKD->BSD", ctx_BSHK, w_o), "attn_out")
 
 

@@ -12,7 +12,7 @@ Numerics follow Hugging Face `DeepseekV2Attention` / `DeepseekV3Attention`, our 
 - YaRN (Peng et al. 2023) blends interpolated and extrapolated frequencies with a linear ramp,
   scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), and the softmax scale
   (qk_nope + qk_rope)^-0.5 is multiplied by mscale(factor, mscale_all_dim)^2.
-The attention core (logits, softmax, PV) runs in the compute dtype with float32 logits, never fp8.
+The attention core (attention.py: logits, softmax, PV) runs in the compute dtype, never fp8.
 Letters: see dsjax/model/__init__.py; C latent rank, P RoPE dim, A nope dim, U value dim.
 """
 
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8
-from dsjax.model.layers import RMSNorm, _param, _project, attention_mask
+from dsjax.model.attention import attention_core
+from dsjax.model.layers import RMSNorm, _param, _project
 
 Dtype = Any
 
@@ -109,6 +110,9 @@ class MLA(nn.Module):
     rope_mscale_all_dim: float = 0.0
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, o
+    attention_impl: str = "xla"  # concrete (attention.resolve_impl); the core's implementation
+    attention_block_q: int = 512  # flash tiles (model.attention_block_q / _k)
+    attention_block_k: int = 512
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
@@ -156,16 +160,10 @@ class MLA(nn.Module):
         scale = (A + P) ** -0.5
         if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
             scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
-        # [q_nope | q_pe] . [k_nope | k_pe], as two contractions: the shared k_pe is never
-        # broadcast to every head.
-        logits_BHST = (
-            jnp.einsum("BSHA,BTHA->BHST", q_nope_BSHA, k_nope_BTHA,
-                       preferred_element_type=jnp.float32)
-            + jnp.einsum("BSHP,BTP->BHST", q_pe_BSHP, k_pe_BT1P[:, :, 0],
-                         preferred_element_type=jnp.float32)) * scale
-        mask_B1ST = attention_mask(segment_ids_BS)[:, None]
-        logits_BHST = jnp.where(mask_B1ST, logits_BHST, jnp.finfo(jnp.float32).min)
-        probs_BHST = jax.nn.softmax(logits_BHST, axis=-1).astype(self.dtype)
-        ctx_BSHU = checkpoint_name(jnp.einsum("BHST,BTHU->BSHU", probs_BHST, v_BTHU),
-                                   "attn_context")
+        # [q_nope | q_pe] . [k_nope | k_pe]: the shared k_pe goes in on its own (attention.py)
+        ctx_BSHU = attention_core(q_nope_BSHA, k_nope_BTHA, v_BTHU, segment_ids_BS, scale=scale,
+                                  impl=self.attention_impl, block_q=self.attention_block_q,
+                                  block_k=self.attention_block_k, dtype=self.dtype,
+                                  q_pe_BSHP=q_pe_BSHP, k_pe_BTP=k_pe_BT1P[:, :, 0])
+        ctx_BSHU = checkpoint_name(ctx_BSHU, "attn_context")
         return checkpoint_name(_project(self, "o", "BSHU,HUD->BSD", ctx_BSHU, w_o), "attn_out")

@@ -68,8 +68,10 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     checkpoint is moved aside and the previous one resumed, instead of stopping."""
     check_workdir(workdir)
     trainer = build_trainer(cfg)
+    attention_impl = trainer.model.attention_impl(cfg.data.seq_len)  # "auto" resolved
     mx.log(f"dsjax: config {cfg.name} | mesh {sharding.describe(trainer.mesh)} | "
            f"{trainer.param_count:,} params | compute {cfg.train.compute_dtype} | "
+           f"attention {attention_impl} | "
            f"devices {jax.device_count()} x {jax.devices()[0].device_kind}")
     for line in config_warnings(cfg):
         mx.log(f"warning: {line}")
@@ -238,7 +240,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         "median_tokens_per_sec": mx.median_of(history, "tokens_per_sec"),
         "median_step_ms": mx.median_of(history, "step_ms"),
         "mfu": mx.median_of(history, "mfu"), "mfu_peak_source": peak_source,
-        "flops_per_token": flops_tok,
+        "flops_per_token": flops_tok, "attention_impl": attention_impl,
         "pipeline_bubble": bubble_fraction(cfg.pipeline.schedule, cfg.mesh.pipeline,
                                            cfg.pipeline.microbatches, cfg.pipeline.repeats,
                                            moe=cfg.model.n_routed_experts > 0),
