@@ -22,7 +22,7 @@ from dsjax.model.decoder import Transformer
 from dsjax.model.loss import ModelLoss, loss_fn, weighted_cross_entropy
 
 # float32 sums of the same terms in another order (per chunk, then over chunks): measured
-# <= 3e-7 relative on loss and every gradient below; a dropped weight, a missing chunk or a
+# <= 2.5e-7 relative on loss and every gradient below (the tests print theirs); a dropped weight, a missing chunk or a
 # wrong softmax term moves them by >= 1e-2.
 RTOL = 1e-6
 
@@ -72,6 +72,8 @@ def test_chunked_matches_the_plain_loss_and_gradients(B, S, chunk):
     assert float(count) == ref_count == np_count
     assert abs(float(total) - np_total) / np_total < RTOL
     assert abs(float(total) - float(ref_total)) / abs(float(ref_total)) < RTOL
+    print(f"B {B} S {S} chunk {chunk}: loss rel {abs(float(total) / np_total - 1):.1e}, grad rel "
+          + ", ".join(f"{_rel(g, r):.1e}" for g, r in zip(grads, ref_grads)))
     for name, g, r in zip(("x", "head", "weights"), grads, ref_grads):
         assert g.shape == r.shape and g.dtype == r.dtype
         assert _rel(g, r) < RTOL, (name, _rel(g, r))
@@ -91,7 +93,7 @@ _TINY = dict(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=
              vocab_size=96)
 
 
-@pytest.mark.parametrize("mtp", [0, 2])
+@pytest.mark.parametrize("mtp", [0, 1])
 def test_model_loss_with_and_without_chunks(mtp):
     """`ModelLoss.loss_and_aux`: loss, aux terms (MTP losses) and every param gradient, with
     loss_chunk 5 (S = 16: chunks of 5, 5, 5, 1) against loss_chunk 0 (whole logits)."""
@@ -100,7 +102,7 @@ def test_model_loss_with_and_without_chunks(mtp):
                                                         vocab=96).items()}
     chunked = ModelLoss(Transformer(cfg))
     plain = ModelLoss(Transformer(dataclasses.replace(cfg, loss_chunk=0)))
-    params = chunked.model.init(jax.random.key(0), batch["inputs"])["params"]
+    params = jax.jit(chunked.model.init)(jax.random.key(0), batch["inputs"])["params"]
 
     def objective(loss):
         def f(p):
@@ -117,13 +119,17 @@ def test_model_loss_with_and_without_chunks(mtp):
         assert aux["mtp_loss"].shape == (mtp,)
         assert _rel(aux["mtp_loss"], ref_aux["mtp_loss"]) < RTOL
     flat, ref_flat = (jax.tree_util.tree_flatten_with_path(g)[0] for g in (grads, ref_grads))
-    for (path, g), (_, r) in zip(flat, ref_flat):
-        assert _rel(g, r) < RTOL, (jax.tree_util.keystr(path), _rel(g, r))
-    # Evaluation and generation still get logits.
-    logits = chunked({"params": params}, batch["inputs"], batch["positions"],
-                     batch["segment_ids"])
+    rels = {jax.tree_util.keystr(path): _rel(g, r) for (path, g), (_, r) in zip(flat, ref_flat)}
+    print(f"mtp {mtp}: loss rel {abs(float(total) / float(ref_total) - 1):.1e}, "
+          f"worst grad rel {max(rels.values()):.1e}")
+    assert max(rels.values()) < RTOL, rels
+    if mtp:
+        return
+    # Evaluation and generation still get logits; evaluation's loss is chunked.
+    logits = jax.jit(chunked)({"params": params}, batch["inputs"], batch["positions"],
+                              batch["segment_ids"])
     assert logits.shape == (3, 16, 96) and logits.dtype == jnp.float32
-    nll_sum, count = chunked.nll_sum(params, batch)
+    nll_sum, count = jax.jit(chunked.nll_sum)(params, batch)
     ref_sum, _ = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     assert abs(float(nll_sum) - float(ref_sum)) / float(ref_sum) < RTOL
     assert float(count) == float(jnp.sum(batch["weights"]))
@@ -154,6 +160,8 @@ def test_1f1b_pipeline_with_and_without_chunks():
     with sharding.activate(trainer.mesh, trainer.rules):
         loss, norm = loss_and_norm(chunked)
         ref_loss, ref_norm = loss_and_norm(plain)
+    print(f"1f1b: loss rel {abs(loss / ref_loss - 1):.1e}, grad norm rel "
+          f"{abs(norm / ref_norm - 1):.1e}")
     assert abs(loss - ref_loss) / ref_loss < RTOL
     assert abs(norm - ref_norm) / ref_norm < RTOL
 
@@ -171,11 +179,12 @@ def test_bfloat16_step_has_no_float32_dot():
     # Forward logits (twice: once recomputed), dx and dhead: bf16 operands, f32 accumulation.
     assert len(dots) >= 3 and all(d[:2] == ("bf16", "bf16") for d in dots), dots
     assert all(d[2] == "f32" for d in dots), dots
-    # The plain path's own gradient does have one: what the chunked path removes.
+    # The plain path's own gradient has two (dx and dhead from the float32 logits' cotangent):
+    # what the chunked path removes. Measured: [bf16 x bf16 -> f32, f32 x f32 -> f32 (x2)].
     plain = jax.grad(lambda x, h: weighted_cross_entropy(output_logits(x, h, jnp.bfloat16),
                                                          targets, weights)[0], (0, 1))
     plain_dots = fp8.dot_general_dtypes(jax.jit(plain).lower(x, head).as_text())
-    assert ("f32", "f32", "f32") in plain_dots or any("f32" in d[:2] for d in plain_dots)
+    assert plain_dots.count(("f32", "f32", "f32")) == 2, plain_dots
 
 
 def test_chunked_temp_memory_is_a_fraction_of_the_plain_path():

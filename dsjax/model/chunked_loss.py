@@ -121,7 +121,23 @@ def _chunked_nll_bwd(dtype, res, g):
 
     dhead_DV, rest = lax.scan(body, dhead_DV, jax.tree.map(lambda a: a[1:], xs))
     dx_nBcD, dw_nBc = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
-    return dx_nBcD, dhead_DV.astype(head_DV.dtype), None, dw_nBc
+    return (_like_primal(dx_nBcD, x_nBcD), _like_primal(dhead_DV.astype(head_DV.dtype), head_DV),
+            None, _like_primal(dw_nBc, weights_nBc))
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """The manual mesh axes `a` varies over inside shard_map (check_vma); empty outside."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """The cotangent of an input that is invariant over manual axes its cotangent varies over
+    (the gpipe head: replicated over the stages, used with each stage's activations): summed over
+    them, as JAX's own transpose of the implicit broadcast would."""
+    extra = _varying(ct) - _varying(primal)
+    return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 _chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
