@@ -175,8 +175,9 @@ class Transformer(nn.Module):
                  segment_ids_BS: jax.Array | None = None, targets_BS: jax.Array | None = None,
                  weights_BS: jax.Array | None = None, head_inputs: bool = False) -> Any:
         """Logits [B, S, V]; with `head_inputs`, (final-normed x [B, S, D], head [D, V]) instead,
-        for a loss that applies the head itself (`loss.head_nll`). With targets and weights (training), MTP modules also run; MoE and
-        MTP models sow their auxiliary terms into the "aux" collection (`AUX_KEYS`), which
+        for a loss that applies the head itself (`loss.head_nll`). With targets and weights
+        (training), MTP modules also run; MoE and MTP models sow their auxiliary terms into the
+        "aux" collection (`AUX_KEYS`), which
         `apply(..., mutable=["aux"])` returns: "aux_loss" (the weighted sum to add to the mean
         next-token loss), "moe_load" [MoE layers, E] and "mtp_loss" [num_mtp_layers]."""
         cfg = self.cfg
