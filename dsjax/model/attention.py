@@ -20,6 +20,7 @@ from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
 from dsjax.config.validate import ATTENTION_IMPLS
 from dsjax.errors import ConfigError, one_of
+from dsjax.model.dots import einsum_f32
 from dsjax.model.flash import flash_attention
 
 # auto on CPU: flash from this sequence length up, xla below it. A placeholder until the
@@ -118,19 +119,17 @@ def attention_core(q_BSHK: jax.Array, k_BTNK: jax.Array, v_BTNU: jax.Array,
 
 
 def _xla(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale, dtype, q_pe_BSHP, k_pe_BTP):
-    """The reference: float32 logits [B, H, S, T], where(mask), softmax, PV in `dtype`."""
+    """The reference: float32 logits [B, H, S, T] (their backward dots in `dtype`: einsum_f32),
+    where(mask), softmax, PV in `dtype`."""
     B, S, H, K = q_BSHK.shape
     N = k_BTNK.shape[2]
     if q_pe_BSHP is None:
         q_BSNRK = q_BSHK.reshape(B, S, N, H // N, K)
-        logits_BNRST = jnp.einsum("BSNRK,BTNK->BNRST", q_BSNRK, k_BTNK,
-                                  preferred_element_type=jnp.float32)
+        logits_BNRST = einsum_f32("BSNRK,BTNK->BNRST", q_BSNRK, k_BTNK)
         logits_BHST = logits_BNRST.reshape(B, H, S, S)
     else:  # MLA (N = H): the shared RoPE key is its own contraction, never broadcast
-        logits_BHST = (jnp.einsum("BSHK,BTHK->BHST", q_BSHK, k_BTNK,
-                                  preferred_element_type=jnp.float32)
-                       + jnp.einsum("BSHP,BTP->BHST", q_pe_BSHP, k_pe_BTP,
-                                    preferred_element_type=jnp.float32))
+        logits_BHST = (einsum_f32("BSHK,BTHK->BHST", q_BSHK, k_BTNK)
+                       + einsum_f32("BSHP,BTP->BHST", q_pe_BSHP, k_pe_BTP))
     logits_BHST = jnp.where(attention_mask(segment_ids_BS)[:, None], logits_BHST * scale,
                             jnp.finfo(jnp.float32).min)
     probs_BHST = jax.nn.softmax(logits_BHST, axis=-1).astype(dtype)

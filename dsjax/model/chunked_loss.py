@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dsjax.model.dots import einsum_f32
+
 LOGITS = ("act_batch", "act_seq", "act_vocab")  # vocab over `tensor`, batch over `data`
 
 
 def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
     """The output head on final-normed x [B, S, D] -> float32 logits [B, S, V]."""
-    logits_BSV = jnp.einsum("BSD,DV->BSV", x_BSD.astype(dtype), head_DV.astype(dtype),
-                            preferred_element_type=jnp.float32)
+    logits_BSV = einsum_f32("BSD,DV->BSV", x_BSD.astype(dtype), head_DV.astype(dtype))
     return nn.with_logical_constraint(logits_BSV, LOGITS)
 
 
