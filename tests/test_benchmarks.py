@@ -246,8 +246,7 @@ def test_pipeline_table_reports_rows_that_do_not_split():
 
 def test_load_record_marks_contention(monkeypatch):
     """Contended means other processes used the cores (from /proc/stat less this process's own CPU
-    time), or the load was already past the cores at the start; a high load after the timed part
-    alone is this benchmark's own threads."""
+    time); a high load average alone is this benchmark's own threads, or a job that just ended."""
     cores = os.cpu_count()
     start = report.timing_start()
     assert start["busy"] is not None  # Linux: /proc/stat is there
@@ -265,9 +264,10 @@ def test_load_record_marks_contention(monkeypatch):
     time.sleep(0.7)
     other = report.load_record(start)
     assert other["others_cpu_share"] > report.OTHERS_MAX and other["contended"], other
-    # A load past the cores when the timed part starts marks it contended whatever happens next.
-    start = {**report.timing_start(), "load": [cores + 0.5, 1.0, 1.0]}
+    # The load decides only where /proc/stat cannot: past the cores at either end.
+    start = {**report.timing_start(), "busy": None, "load": [cores + 0.5, 1.0, 1.0]}
     assert report.load_record(start)["contended"]
+    assert report.load_record(start)["others_cpu_share"] is None
     assert "others used" in report.describe_load(other)
     assert report.parse_overrides(["optim.name=adamw", "mesh.fsdp=true", "train.seed=3"]) == {
         "optim.name": "adamw", "mesh.fsdp": True, "train.seed": 3}
