@@ -26,22 +26,28 @@ import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402  (no JAX import yet)
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
-ATTENTION_CORE_DOTS = 6  # QK^T and PV forward, two gradients each backward
-HEAD_DOTS = 3            # output head: forward, dgrad, wgrad
+# The attention core's dots per layer body, by implementation (dsjax/model/attention.py): xla
+# differentiates QK^T and PV (forward, two gradients each); flash's backward recomputes QK^T
+# before its dV, dP, dQ and dK.
+ATTENTION_CORE_DOTS = {"xla": 6, "flash": 7}
+HEAD_DOTS = 3            # unchunked output head: forward, dgrad, wgrad
+CHUNKED_HEAD_DOTS = 4    # model.loss_chunk > 0: the backward recomputes each chunk's logits
 MATMULS = 7              # q, k, v, o, gate, up, down
 
 
 def expected_counts(trainer) -> tuple[int, int]:
     """(fp8 dots, high-precision dots) the precision policy implies for one step's program."""
     model = trainer.model
+    core = ATTENTION_CORE_DOTS[model.attention_impl(trainer.cfg.data.seq_len)]
+    head = CHUNKED_HEAD_DOTS if trainer.cfg.model.loss_chunk else HEAD_DOTS
     fp8_names = len(model.fp8_policy.matmuls) if model.fp8_policy is not None else 0
     fp8_dots = high = 0
     for _, _, use_fp8, pattern in model._segments():  # pylint: disable=protected-access
         n = len(pattern)  # distinct layer bodies in this segment's scan
         in_fp8 = fp8_names if use_fp8 else 0
         fp8_dots += 3 * in_fp8 * n
-        high += (ATTENTION_CORE_DOTS + 3 * (MATMULS - in_fp8)) * n
-    return fp8_dots, high + HEAD_DOTS
+        high += (core + 3 * (MATMULS - in_fp8)) * n
+    return fp8_dots, high + head
 
 
 def main(argv=None) -> dict:
