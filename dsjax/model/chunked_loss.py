@@ -24,10 +24,20 @@ from dsjax.model.dots import einsum_f32
 LOGITS = ("act_batch", "act_seq", "act_vocab")  # vocab over `tensor`, batch over `data`
 
 
-def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
-    """The output head on final-normed x [B, S, D] -> float32 logits [B, S, V]."""
+def output_logits(x_BSD: jax.Array, head_DV: jax.Array, dtype: Any, rules: Any = None
+                  ) -> jax.Array:
+    """The output head on final-normed x [B, S, D] -> float32 logits [B, S, V]. `rules`: the
+    logical axis rules to constrain them with (None: those in force)."""
     logits_BSV = einsum_f32("BSD,DV->BSV", x_BSD.astype(dtype), head_DV.astype(dtype))
-    return nn.with_logical_constraint(logits_BSV, LOGITS)
+    return nn.with_logical_constraint(logits_BSV, LOGITS, rules=rules)
+
+
+def _rules_now() -> Any:
+    """The logical axis rules in force, hashable, for the custom_vjp's backward: JAX traces it
+    after the caller's `nn.logical_axis_rules` context may have ended (1-bit Adam traces the loss
+    under rules that map no axis to the manual `data`, then differentiates outside them)."""
+    rules = nn.get_logical_axis_rules()
+    return tuple(tuple(r) for r in rules) if rules else None
 
 
 def chunked_cross_entropy(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array,
@@ -48,12 +58,13 @@ def chunked_cross_entropy(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
         return a.reshape(B, n, c, *a.shape[2:]).swapaxes(0, 1)
 
-    total = _chunked_nll(split(x_BSD), head_DV, split(targets_BS), split(weights_BS), dtype)
+    total = _chunked_nll(split(x_BSD), head_DV, split(targets_BS), split(weights_BS), dtype,
+                         _rules_now())
     return total, jnp.sum(weights_BS.astype(jnp.float32))
 
 
-def _logits(x_BcD: jax.Array, head_DV: jax.Array, dtype: Any) -> jax.Array:
-    return output_logits(x_BcD, head_DV, dtype)  # [B, c, V] float32
+def _logits(x_BcD: jax.Array, head_DV: jax.Array, dtype: Any, rules: Any) -> jax.Array:
+    return output_logits(x_BcD, head_DV, dtype, rules)  # [B, c, V] float32
 
 
 def _is_target(logits_BcV: jax.Array, targets_Bc: jax.Array) -> jax.Array:
@@ -68,42 +79,42 @@ def _target_logit(logits_BcV: jax.Array, hit_BcV: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(hit_BcV, logits_BcV, 0.0), axis=-1)
 
 
-def _forward(x_nBcD, head_DV, targets_nBc, dtype):
+def _forward(x_nBcD, head_DV, targets_nBc, dtype, rules):
     """Per token: logsumexp and target logit [n, B, c], one chunk's logits at a time."""
     def chunk_stats(_, xs):
         x_BcD, t_Bc = xs
-        logits_BcV = _logits(x_BcD, head_DV, dtype)
+        logits_BcV = _logits(x_BcD, head_DV, dtype, rules)
         target_Bc = _target_logit(logits_BcV, _is_target(logits_BcV, t_Bc))
         return None, (jax.nn.logsumexp(logits_BcV, axis=-1), target_Bc)
 
     return lax.scan(chunk_stats, None, (x_nBcD, targets_nBc))[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_nll(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype):
-    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_nll(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype, rules):
+    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype, rules)
     return jnp.sum((lse_nBc - target_nBc) * weights_nBc)
 
 
-def _chunked_nll_fwd(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype):
-    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype)
+def _chunked_nll_fwd(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype, rules):
+    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype, rules)
     total = jnp.sum((lse_nBc - target_nBc) * weights_nBc)
     return total, (x_nBcD, head_DV, targets_nBc, weights_nBc, lse_nBc)
 
 
-def _chunked_nll_bwd(dtype, res, g):
+def _chunked_nll_bwd(dtype, rules, res, g):
     x_nBcD, head_DV, targets_nBc, weights_nBc, lse_nBc = res
     head_c = head_DV.astype(dtype)
 
     def chunk_grads(xs):
         """One chunk: (dL/dhead [D, V] float32, (dL/dx [B, c, D], dL/dweights [B, c]))."""
         x_BcD, t_Bc, w_Bc, lse_Bc = xs
-        logits_BcV = _logits(x_BcD, head_DV, dtype)
+        logits_BcV = _logits(x_BcD, head_DV, dtype, rules)
         p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
         hit_BcV = _is_target(logits_BcV, t_Bc)  # softmax - onehot(target) as a select
         scale_Bc = (g * w_Bc).astype(jnp.float32)
         dlogits_BcV = (jnp.where(hit_BcV, p_BcV - 1.0, p_BcV) * scale_Bc[..., None]).astype(dtype)
-        dlogits_BcV = nn.with_logical_constraint(dlogits_BcV, LOGITS)
+        dlogits_BcV = nn.with_logical_constraint(dlogits_BcV, LOGITS, rules=rules)
         dx_BcD = jnp.einsum("BcV,DV->BcD", dlogits_BcV, head_c,
                             preferred_element_type=jnp.float32).astype(x_BcD.dtype)
         dhead_DV = jnp.einsum("BcD,BcV->DV", x_BcD.astype(dtype), dlogits_BcV,
