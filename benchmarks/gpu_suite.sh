@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (one H200/H100, under 8 minutes): proves fp8 GEMMs are emitted and
-# measures bf16 vs fp8 step time, MFU and memory of a ~1.2B DeepSeek-architecture model, plus
-# recomputation table rows compiled for the GPU. Results: $OUT (the device tool's folder) or
-# benchmarks/results/gpu/.
+# The one prepared GPU check (one H200/H100, under 9 minutes: the step timeouts sum to 530 s):
+# proves fp8 GEMMs are emitted and measures bf16 vs fp8 step time, MFU and memory of a ~1.2B
+# DeepSeek-architecture model, plus recomputation table rows compiled for the GPU and the
+# attention implementations' table in bf16 (cudnn and pallas against xla). Results: $OUT (the
+# device tool's folder) or benchmarks/results/gpu/.
 #
 # The GPU image has JAX, flax, optax and orbax but not ml-collections; carry it as a wheel:
 #   pip download --no-deps -d .gpu_wheels ml-collections && echo /.gpu_wheels/ >> .git/info/exclude
-#   device run: command="bash benchmarks/gpu_suite.sh", carry=[".gpu_wheels"], timeout_s=540
+#   device run: command="bash benchmarks/gpu_suite.sh", carry=[".gpu_wheels"], timeout_s=560
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${OUT:-benchmarks/results/gpu}"
@@ -41,4 +42,12 @@ step "recomputation rows compiled for the GPU (DeepSeek-7B width, seq 4096)"
 timeout 110 "$PY" benchmarks/remat_table.py --config configs/deepseek_7b.py \
   --rows none/all,attention_core/all --out "$RESULTS/remat_7b_gpu.json" 2>&1 \
   | tail -n 6 | tee -a "$LOG"
+step "attention implementations in bf16: temp bytes, |diff| against xla, ms (7B width and V2-Lite MLA)"
+# On an NVIDIA GPU the table adds cudnn and pallas rows; the smoke preset runs tiny shapes on CPU.
+ATTN_SIZES=(--seq_lens 1024,4096)
+if [ "$PRESET" = "smoke" ]; then
+  ATTN_SIZES=(--heads 4 --head_dim 16 --mla_dims 4,16,8,16 --seq_lens 64,128 --check_seq 128)
+fi
+timeout 60 "$PY" benchmarks/attention_table.py --dtype bfloat16 "${ATTN_SIZES[@]}" \
+  --out "$RESULTS/attention_table_gpu.json" 2>&1 | tail -n 20 | tee -a "$LOG"
 step "done"
