@@ -1,6 +1,6 @@
 """Attention impl table: compiled temp memory, error against xla and CPU time of the core.
 
-  python benchmarks/attention_table.py --no_time --out benchmarks/results/attention_table_cpu.json
+  python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json
 
 For each impl this backend runs (xla, flash; cudnn on NVIDIA GPUs; pallas on GPUs, or
 interpreted with --pallas), the attention core's forward + backward (dsjax.model.attention,

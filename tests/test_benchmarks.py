@@ -134,8 +134,8 @@ DOCUMENTED = {
     "python benchmarks/comm_bytes.py --config ...": "comm_bytes",
     "python benchmarks/comm_bytes.py --config configs/h100_fp8.py:smoke "
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
-    "python benchmarks/attention_table.py --no_time "
-    "--out benchmarks/results/attention_table_cpu.json": "attention_table",
+    "python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json":
+        "attention_table",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke": "fp8_hlo",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke "
     "--out benchmarks/results/fp8_hlo_smoke.json": "fp8_hlo",
