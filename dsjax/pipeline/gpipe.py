@@ -42,10 +42,20 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
         chunks = _interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
             lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
         s = lax.axis_index(STAGE)
-        if pipe.prefix:  # the dense prefix blocks run on stage 0 only
-            x_MBSD = lax.cond(s == 0, lambda: _unfold(stage0_input(
+        if pipe.prefix:  # the dense prefix blocks feed stage 0 only
+            prefix_MBSD = lambda: _unfold(stage0_input(
                 pipe, top, *(_fold(micro[k]) for k in ("inputs", "positions", "segment_ids"))),
-                M), lambda: jnp.zeros(x_shape.shape, x_shape.dtype))
+                M)
+            if jax.default_backend() == "cpu":
+                # Every stage runs them and keeps stage 0's: the tensor-parallel collectives of
+                # a branch only stage 0 takes (and of its transpose, at the end of the
+                # backward) run beside the other stages' independent ones, and XLA:CPU, which
+                # runs ready collectives concurrently on a shared thread pool, can deadlock on
+                # them (a 40 s rendezvous abort). GPUs issue collectives in program order.
+                x_MBSD = jnp.where(s == 0, prefix_MBSD(), jnp.zeros((), x_shape.dtype))
+            else:
+                x_MBSD = lax.cond(s == 0, prefix_MBSD,
+                                  lambda: jnp.zeros(x_shape.shape, x_shape.dtype))
         else:
             x_MBSD = embed_tokens(top["embedding"], micro["inputs"], model.dtype)
 
