@@ -210,8 +210,8 @@ def _first_compressed_step(trainer, before, worker_grads, lr):
             server_error)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_onebit_adam_with_a_pipeline_matches_onebit_adam_without(schedule):
+@pytest.mark.parametrize("schedule, chunk", [("1f1b", 4), ("gpipe", 0)])
+def test_onebit_adam_with_a_pipeline_matches_onebit_adam_without(schedule, chunk):
     # The pipeline's shard_map (manual over `pipeline`) nests inside 1-bit Adam's gradient
     # shard_map (manual over `data`): same 2 data-parallel workers, the same gradients, loss and
     # exact steps. The compressed step's buckets are each device's shards (docs/onebit.md), and
@@ -221,10 +221,7 @@ def test_onebit_adam_with_a_pipeline_matches_onebit_adam_without(schedule):
     def run(stages):
         cfg = _pipelined((2, 2, stages), schedule, 2, **{
             "optim.name": "onebit_adam", "optim.freeze_step": 2, "optim.lr": 3e-4,
-            # The unchunked head: with model.loss_chunk on, the embedding after the two exact
-            # steps differs by 3.3e-4 relative between the two layouts (measured 2026-12-02;
-            # under 1e-5 without chunking). Not yet explained: see docs/loss.md, open question.
-            "model.loss_chunk": 0})
+            "model.loss_chunk": chunk})
         trainer = train.build_trainer(cfg, sharding.make_mesh(
             cfg, devices=jax.devices()[:4 * stages]))
         state, out, states = trainer.init(), [], []
@@ -292,15 +289,25 @@ def test_onebit_adam_with_a_pipeline_matches_onebit_adam_without(schedule):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
     # Leaves the pipeline does not split (embedding, head, final norm) are the same buckets in
-    # both layouts, so the same numbers after the compressed step (measured <= 3e-7).
+    # both layouts, so the same numbers after the compressed step (measured <= 3e-7), except
+    # where the momentum whose sign 1-bit compression sends is float32 noise around zero: there
+    # one layout moves by +lr * scale and the other by -lr * scale. Measured with the chunked
+    # head (1f1b): one embedding coordinate of 4096, momentum +9.1e-9 against -9.0e-9 (the
+    # largest is 6e-3), differs by 4.2e-4, 3.3e-4 of the embedding's norm.
     split = {jax.tree_util.keystr(path) for path, s in leaves(piped_trainer.state_shardings.params)
              if "pipeline" in jax.tree.leaves(tuple(s.spec))}
     assert split and all("layers" in name for name in split), split
-    for tree_a, tree_b in ((flat_states[2].params, piped_states[2].params),
-                           (flat_states[2].opt_state.mu, piped_states[2].opt_state.mu)):
-        for (path, x), y in zip(leaves(tree_a), jax.tree.leaves(tree_b)):
-            if jax.tree_util.keystr(path) not in split:
-                assert rel(y, x) < 1e-5, (jax.tree_util.keystr(path), rel(y, x))
+    for (path, x), y, m in zip(leaves(flat_states[2].params), jax.tree.leaves(
+            piped_states[2].params), jax.tree.leaves(flat_states[2].opt_state.mu)):
+        if jax.tree_util.keystr(path) not in split:
+            x, y, m = (np.asarray(a, np.float64) for a in (x, y, m))
+            signal = np.abs(m) > 1e-5 * np.abs(m).max()
+            assert rel(y[signal], x[signal]) < 1e-5, (jax.tree_util.keystr(path),
+                                                      rel(y[signal], x[signal]))
+    for (path, x), y in zip(leaves(flat_states[2].opt_state.mu),
+                            jax.tree.leaves(piped_states[2].opt_state.mu)):
+        if jax.tree_util.keystr(path) not in split:
+            assert rel(y, x) < 1e-5, (jax.tree_util.keystr(path), rel(y, x))
 
 
 @pytest.mark.parametrize("overrides, field", [
