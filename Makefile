@@ -30,9 +30,11 @@ train: $(RUN_STAMP)
 # timeout, not an assertion) runs once more on a fresh worker and is reported as a rerun;
 # assertion failures are never rerun. The cause: XLA:CPU runs independent collectives
 # concurrently, so two devices can start them in different orders (see dsjax/pipeline/one_f_one_b.py
-# `_after`, which orders 1f1b's; gpipe's backward is ordered by jax.grad, not by us).
+# `_after`, which orders 1f1b's, and docs/pipeline.md). `--dist worksteal`, not loadfile: xdist
+# can put a crashed test back in the queue only under load or worksteal (loadfile reported the
+# crash as a failure), and worksteal also splits the longest file over both workers.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -q --reruns 1 --only-rerun "crashed while running" tests
+	$(PY) -m pytest -n 2 --dist worksteal -q --reruns 1 --only-rerun "crashed while running" tests
 
 clean:
 	rm -rf runs .pytest_cache
