@@ -77,7 +77,9 @@ def load_record(start: dict[str, Any]) -> dict[str, Any]:
     if busy is not None and start["busy"] is not None:
         wall = max(time.monotonic() - start["wall"], 1e-9)
         others = (busy - start["busy"]) - (_own_seconds() - start["own"])
-        share = round(max(others, 0.0) / (wall * cores), 4)
+        # Clamped: /proc/stat counts in 1/SC_CLK_TCK s per core, so a window of a few ticks
+        # can read past every core's time.
+        share = round(min(max(others, 0.0) / (wall * cores), 1.0), 4)
     before, after = start["load"], list(os.getloadavg())
     return {"load_before": before, "load_after": after, "cores": cores,
             "others_cpu_share": share,
