@@ -6,8 +6,15 @@ Compiles forward+backward of the loss on abstract inputs at the config's full wi
 `--micro_batch` rows of `data.seq_len` tokens) for a few layers, and extrapolates per layer to the
 config's depth (see dsjax/remat_plan.py for why: `cost_analysis` counts a scan body once).
 `--set SECTION.FIELD=VALUE` (repeatable) changes the config, e.g. `--set model.hidden_size=256`.
+`--baseline SECTION.FIELD=VALUE` (repeatable) compiles every row a second time with those
+changes on top, e.g. the unfused attention and unchunked loss against today's defaults:
+
+  python benchmarks/remat_table.py --config configs/deepseek_7b.py --rows none/all,attention_core/all --baseline model.attention_impl=xla --baseline model.loss_chunk=0 --out benchmarks/results/remat_deepseek_7b_vs_unfused.json
+
 Prints a table; writes {"config", "rows": [{"policy", "layers", "temp_bytes", "flops",
-"mem_ratio", "flops_ratio", ...}]} with ratios relative to `none`.
+"mem_ratio", "flops_ratio", ...}]} with ratios relative to `none`; with --baseline also
+"baseline" (its changes) and per row "baseline_temp_bytes", "baseline_flops" and
+"temp_vs_baseline".
 """
 
 import argparse
@@ -45,19 +52,23 @@ def main(argv=None) -> dict:
                         "none/all,attention_core/all")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="config override, e.g. --set model.hidden_size=256 (repeatable)")
+    parser.add_argument("--baseline", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="compile every row again with this override on top and report "
+                             "both (repeatable), e.g. --baseline model.attention_impl=xla")
     args = parser.parse_args(argv)
 
     try:
         overrides = report.parse_overrides(args.set)
     except ValueError as e:
         parser.error(f"--set {e}")
-    cfg = config_lib.load(args.config, overrides)
+    try:
+        baseline = report.parse_overrides(args.baseline)
+    except ValueError as e:
+        parser.error(f"--baseline {e}")
+    cfg = _one_device(config_lib.load(args.config, overrides), args)
+    base_cfg = (_one_device(config_lib.load(args.config, {**overrides, **baseline}), args)
+                if baseline else None)
     name = " ".join([args.config] + [f"--set {item}" for item in args.set])
-    data = dataclasses.replace(cfg.data, global_batch=args.micro_batch,
-                               seq_len=args.seq_len or cfg.data.seq_len)
-    train = dataclasses.replace(cfg.train, compute_dtype=args.dtype or cfg.train.compute_dtype)
-    mesh_cfg = dataclasses.replace(cfg.mesh, data=1, tensor=1, pipeline=1, fsdp=False)
-    cfg = dataclasses.replace(cfg, data=data, train=train, mesh=mesh_cfg)
     mesh = sharding.make_mesh(cfg, jax.devices()[:1])
 
     wanted = ROWS
@@ -70,6 +81,11 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         cost = remat_plan.measure(cfg, mesh, policy, layers)
         rows.append(dataclasses.asdict(cost) | {"compile_s": time.perf_counter() - t0})
+        if base_cfg is not None:
+            against = remat_plan.measure(base_cfg, mesh, policy, layers)
+            rows[-1] |= {"baseline_temp_bytes": against.temp_bytes,
+                         "baseline_flops": against.flops,
+                         "temp_vs_baseline": cost.temp_bytes / against.temp_bytes}
     base = rows[0]
     for r in rows:
         r["mem_ratio"] = r["temp_bytes"] / base["temp_bytes"]
@@ -82,22 +98,41 @@ def main(argv=None) -> dict:
               "note": "offload:* is a no-op on CPU (no pinned host memory space): it reads as "
                       "names:* there. On GPU, cost_analysis() does not count GEMMs that XLA hands "
                       "to cuBLAS (custom calls), so GPU FLOPs columns are not meaningful: read "
-                      "FLOPs from a CPU compile, memory from either.",
+                      "FLOPs from a CPU compile, memory from either. cost_analysis() also counts "
+                      "a loop body once: with flash attention (its block loops) or a loss of "
+                      "several chunks the FLOPs columns undercount; compare FLOPs with "
+                      "model.attention_impl=xla and model.loss_chunk=0.",
               "rows": rows}
+    if base_cfg is not None:
+        result["baseline"] = args.baseline
 
     print(f"{name}: seq {cfg.data.seq_len}, micro-batch {args.micro_batch}, "
           f"{cfg.train.compute_dtype}, {cfg.model.num_layers} layers, "
           f"{jax.devices()[0].platform} compile")
     header = (f"{'policy':<36} {'layers':<8} {'temp GiB':>9} {'mem':>6} {'TFLOPs':>9} "
-              f"{'flops':>6} {'saved/layer MiB':>16}")
+              f"{'flops':>6} {'saved/layer MiB':>16}"
+              + (f" {'baseline GiB':>13} {'vs base':>8}" if base_cfg is not None else ""))
+    if base_cfg is not None:
+        print("baseline: " + " ".join(args.baseline))
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['policy']:<36} {r['layers']:<8} {r['temp_bytes'] / 2**30:>9.2f} "
               f"{r['mem_ratio']:>6.3f} {r['flops'] / 1e12:>9.2f} {r['flops_ratio']:>6.3f} "
-              f"{r['activation_bytes_saved_per_layer'] / 2**20:>16.1f}")
+              f"{r['activation_bytes_saved_per_layer'] / 2**20:>16.1f}"
+              + (f" {r['baseline_temp_bytes'] / 2**30:>13.2f} {r['temp_vs_baseline']:>8.3f}"
+                 if base_cfg is not None else ""))
     report.write_json(args.out, result)
     return result
+
+
+def _one_device(cfg, args):
+    """cfg on one device: `--micro_batch` rows of `--seq_len` (or the config's) tokens."""
+    data = dataclasses.replace(cfg.data, global_batch=args.micro_batch,
+                               seq_len=args.seq_len or cfg.data.seq_len)
+    train = dataclasses.replace(cfg.train, compute_dtype=args.dtype or cfg.train.compute_dtype)
+    mesh_cfg = dataclasses.replace(cfg.mesh, data=1, tensor=1, pipeline=1, fsdp=False)
+    return dataclasses.replace(cfg, data=data, train=train, mesh=mesh_cfg)
 
 
 if __name__ == "__main__":

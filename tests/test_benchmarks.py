@@ -77,6 +77,15 @@ SMOKE = {
                                     "{out}/remat.json"],
                     "remat.json", {"config", "rows"},
                     {"policy", "layers", "temp_bytes", "flops", "mem_ratio", "flops_ratio"}),
+    # The same at S 256 (flash blocks 64) against the unfused attention and unchunked loss.
+    "remat_table_baseline": ("remat_table", [
+        "--config", "configs/deepseek_7b.py", *TINY_7B, "--set", "model.attention_block_q=64",
+        "--set", "model.attention_block_k=64", "--set", "model.loss_chunk=64", "--set",
+        "model.attention_impl=flash", "--seq_len", "256", "--rows", "none/all", "--baseline",
+        "model.attention_impl=xla", "--baseline", "model.loss_chunk=0", "--out",
+        "{out}/remat.json"],
+        "remat.json", {"config", "rows", "baseline"},
+        {"policy", "layers", "temp_bytes", "baseline_temp_bytes", "temp_vs_baseline"}),
     "comm_bytes": ("comm_bytes", ["--config", "configs/cpu_tiny.py",
                                   "--config.optim.name=onebit_adam",
                                   *[f"--config.{k}={v}" for k, v in TINY.items()],
@@ -127,6 +136,10 @@ DOCUMENTED = {
     "python benchmarks/remat_table.py --config configs/deepseek_7b.py": "remat_table",
     "python benchmarks/remat_table.py --config configs/deepseek_7b.py "
     "--out benchmarks/results/remat_deepseek_7b.json": "remat_table",
+    "python benchmarks/remat_table.py --config configs/deepseek_7b.py --rows "
+    "none/all,attention_core/all --baseline model.attention_impl=xla --baseline "
+    "model.loss_chunk=0 --out benchmarks/results/remat_deepseek_7b_vs_unfused.json":
+        "remat_table_baseline",
     "python benchmarks/comm_bytes.py --config configs/cpu_tiny.py "
     "--config.optim.name=onebit_adam": "comm_bytes",
     "python benchmarks/comm_bytes.py --config configs/cpu_tiny.py --config.optim.name=onebit_adam "
@@ -192,7 +205,8 @@ def test_every_documented_command_has_a_smoke_run():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["step_time", "compare_overrides", "pipeline_table",
-                                  "pipeline_table_flags", "remat_table", "comm_bytes",
+                                  "pipeline_table_flags", "remat_table",
+                                  "remat_table_baseline", "comm_bytes",
                                   "comm_bytes_smoke", "fp8_hlo", "attention_table"])
 def test_documented_command(name, tmp_path):
     printed, result = run_smoke(name, tmp_path)
@@ -216,6 +230,13 @@ def test_documented_command(name, tmp_path):
         assert [(r["policy"], r["layers"]) for r in result["rows"]] == [
             ("none", "all"), ("full", "all")]
         assert result["rows"][1]["flops_ratio"] > 1  # full recompute redoes the forward
+    elif name == "remat_table_baseline":
+        assert result["baseline"] == ["model.attention_impl=xla", "model.loss_chunk=0"]
+        (row,) = result["rows"]
+        # S 256, vocab 512: the unfused step holds S x S logits and [S, V] float32 logits
+        assert row["temp_bytes"] < row["baseline_temp_bytes"]
+        assert row["temp_vs_baseline"] == row["temp_bytes"] / row["baseline_temp_bytes"]
+        assert "baseline GiB" in printed
     elif name.startswith("comm_bytes"):
         assert 0 < result["compressed_bytes"] < result["exact_bytes"]
     elif name == "fp8_hlo":
