@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
         wanted = tuple(tuple(r.split("/")) for r in args.rows.split(","))
         if wanted[0] != ("none", "all"):
             wanted = (("none", "all"),) + wanted  # ratios are relative to none
-    rows = []
+    rows, start = [], report.timing_start()  # compile_s is a timing: record the load
     for policy, layers in wanted:
         t0 = time.perf_counter()
         cost = remat_plan.measure(cfg, mesh, policy, layers)
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
                       "a loop body once: with flash attention (its block loops) or a loss of "
                       "several chunks the FLOPs columns undercount; compare FLOPs with "
                       "model.attention_impl=xla and model.loss_chunk=0.",
-              "rows": rows}
+              "rows": rows, "load": report.load_record(start)}
     if base_cfg is not None:
         result["baseline"] = args.baseline
 

@@ -28,7 +28,6 @@ import pytest  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 def random_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int = 257,
                  docs_per_row: int = 2) -> dict[str, np.ndarray]:
     """A host batch shaped like the data pipeline's: packed documents with segment ids."""

@@ -47,11 +47,8 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
                 pipe, top, *(_fold(micro[k]) for k in ("inputs", "positions", "segment_ids"))),
                 M)
             if jax.default_backend() == "cpu":
-                # Every stage runs them and keeps stage 0's: the tensor-parallel collectives of
-                # a branch only stage 0 takes (and of its transpose, at the end of the
-                # backward) run beside the other stages' independent ones, and XLA:CPU, which
-                # runs ready collectives concurrently on a shared thread pool, can deadlock on
-                # them (a 40 s rendezvous abort). GPUs issue collectives in program order.
+                # Every stage runs them and keeps stage 0's: no collective in a branch only
+                # some devices take (docs/pipeline.md, "Dense prefix on XLA:CPU").
                 x_MBSD = jnp.where(s == 0, prefix_MBSD(), jnp.zeros((), x_shape.dtype))
             else:
                 x_MBSD = lax.cond(s == 0, prefix_MBSD,
