@@ -211,6 +211,14 @@ def on_view(view: Mesh | None) -> Iterator[None]:
         yield
 
 
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which `x` may differ inside shard_map (check_vma); empty
+    outside shard_map."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # ManualAxisType in current JAX, `vma` before
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def logical_to_sharding(logical_tree: Any, mesh: Mesh, rules) -> Any:
     """Maps a pytree of logical PartitionSpecs to NamedShardings on `mesh`."""
     return nn.logical_to_mesh_sharding(logical_tree, mesh, rules)

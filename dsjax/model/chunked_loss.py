@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsjax.model.dots import einsum_f32
+from dsjax.sharding import varying_axes
 
 LOGITS = ("act_batch", "act_seq", "act_vocab")  # vocab over `tensor`, batch over `data`
 
@@ -137,18 +138,12 @@ def _chunked_nll_bwd(dtype, rules, res, g):
             None, _like_primal(dw_nBc, weights_nBc))
 
 
-def _varying(a: jax.Array) -> frozenset:
-    """The manual mesh axes `a` varies over inside shard_map (check_vma); empty outside."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
 
 def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """The cotangent of an input that is invariant over manual axes its cotangent varies over
     (the gpipe head: replicated over the stages, used with each stage's activations): summed over
     them, as JAX's own transpose of the implicit broadcast would."""
-    extra = _varying(ct) - _varying(primal)
+    extra = varying_axes(ct) - varying_axes(primal)
     return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 

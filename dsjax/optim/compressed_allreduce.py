@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsjax.sharding import varying_axes
+
 
 def pad_multiple(num_workers: int) -> int:
     """Buffers are padded to W * lcm(W, 8): every worker's chunk is whole bytes of packed signs."""
@@ -182,13 +184,6 @@ def plan_buckets(tree: Any, bucket_bytes: int, multiple: int,
 
 
 # -------------------------------------------------------------------------- shard-local norms
-
-def varying_axes(x: Any) -> frozenset:
-    """The mesh axes over which `x` may differ inside shard_map (its varying manual axes)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
 
 def tree_sq_norm(tree: Any, skip_axes: Sequence = ()) -> jax.Array:
     """Inside shard_map: the squared L2 norm of the whole tree this device holds shards of.

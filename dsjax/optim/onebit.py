@@ -21,7 +21,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax.optim.compressed_allreduce import (BucketPlan, compressed_mean, group_name,
-                                              pad_multiple, plan_buckets, varying_axes)
+                                              pad_multiple, plan_buckets)
+from dsjax.sharding import varying_axes
 
 __all__ = ["OneBitAdam", "OneBitAdamState", "onebit_adam"]
 
