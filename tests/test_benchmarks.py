@@ -240,7 +240,13 @@ def test_documented_command(name, tmp_path):
     elif name.startswith("comm_bytes"):
         assert 0 < result["compressed_bytes"] < result["exact_bytes"]
     elif name == "fp8_hlo":
-        assert result["fp8_dots"] > 0
+        # h100_fp8:smoke runs 1f1b: each stage's forward once, its backward from the stashed
+        # residuals. By hand: one scanned body of 7 fp8 projections x 3 GEMMs = 21, and 10
+        # high-precision dots (the attention core's and the head's). A 1f1b that recomputes the
+        # stage forward in its backward lists 28 fp8 dots.
+        assert result["fp8_dots"] == result["expected_fp8_dots"] == 21, result
+        assert (result["high_precision_dots"] == result["expected_high_precision_dots"]
+                == 10), result
     elif name == "attention_table":
         rows = {(r["attention"], r["impl"], r["seq_len"]): r for r in result["rows"]}
         assert {impl for _, impl, _ in rows} == {"xla", "flash"}  # CPU: cudnn/pallas need a GPU

@@ -88,7 +88,7 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
             if moe:
                 balance, load = lax.pcast((balance, load), STAGE, to="varying")
         (_, _, balance, load), ys_TBSD = lax.scan(tick, (state, laps, balance, load),
-                                                  jnp.arange(T))
+                                                  jnp.arange(T), unroll=model.scan_unroll)
         # The last lap's outputs on the last stage: ticks T-M .. T-1 are microbatches 0 .. M-1.
         # Spread them over the stages, M/S microbatches each, for the head and loss.
         n = M // S

@@ -14,7 +14,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8
+from dsjax.sharding import varying_axes
 from dsjax.model.loss import BATCH_KEYS
+from dsjax.pipeline import stash
 from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, mtp_terms,
                                    run_chunk, split_params, stage0_input, stage_specs, ticks)
 
@@ -49,6 +51,16 @@ def one_f_one_b_loss(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
 def _zeros(shapes: Any, typed: bool) -> Any:
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return lax.pcast(zeros, STAGE, to="varying") if typed and jax.tree.leaves(zeros) else zeros
+
+
+def _varying(tree: Any, typed: bool) -> Any:
+    """`tree` typed as varying over the stages (what the stash and lax.cond's other branch
+    hold): a residual computed from replicated values alone (a mask from the segment ids) is
+    not, when it leaves its branch."""
+    if not typed:
+        return tree
+    return jax.tree.map(lambda x: x if STAGE in varying_axes(x)
+                        else lax.pcast(x, STAGE, to="varying"), tree)
 
 
 def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
@@ -87,12 +99,18 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         first, last = s == 0, s == S - 1
         pos, seg = micro["positions"], micro["segment_ids"]
 
-        def stage(variables, x_BSD, m):  # (y, MoE stats or None)
-            return run_chunk(chunk_model, variables, x_BSD, pos[m], seg[m])
+        def stage(variables, x_BSD, aux):  # (y, MoE stats or None); aux: (positions, segs)
+            return run_chunk(chunk_model, variables, x_BSD, *aux)
 
-        def embed(emb, m):  # `emb`: the embedding, and the dense prefix's "layers" if any
+        def embed(emb, _, aux):  # `emb`: the embedding, and the dense prefix's "layers" if any
             sub = emb if isinstance(emb, dict) else {"embedding": emb}
-            return stage0_input(pipe, sub, micro["inputs"][m], pos[m], seg[m])
+            return stage0_input(pipe, sub, *aux)
+
+        def stage_aux(m):
+            return pos[m], seg[m]
+
+        def embed_aux(m):
+            return micro["inputs"][m], pos[m], seg[m]
 
         # What stage 0 differentiates before the stages: the embedding and the dense prefix.
         def front(top):
@@ -111,9 +129,14 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                 value += model.cfg.aux_loss_alpha * jnp.sum(mtp["balance"]) / M
             return value, (nll, mtp)
 
-        x_shape = jax.eval_shape(embed, front(top), 0)
+        x_shape = jax.eval_shape(embed, front(top), (), embed_aux(0))
+        zero_x = _zeros(x_shape, typed)
+        # The pullbacks of the stage and of stage 0's input, traced once: which residuals each
+        # microbatch stashes until its backward tick, and the shared ones (from the params).
+        stage_res = stash.plan(stage, stage_vars, zero_x, stage_aux(0))
+        embed_res = stash.plan(embed, front(top), (), embed_aux(0))
         grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
-        out_shapes = jax.eval_shape(lambda: stage(stage_vars, _zeros(x_shape, typed), 0))
+        out_shapes = jax.eval_shape(lambda: stage(stage_vars, zero_x, stage_aux(0)))
         # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term
         # (the aux loss averages microbatches), none for the loads (counts, no gradient).
         stats_ct = (None if not moe else
@@ -124,25 +147,37 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
             stats_ct = lax.pcast(stats_ct, STAGE, to="varying")
 
         def tick(carry, t):
-            fwd_BSD, bwd_BSD, stash_KBSD, acc, loss, stats_acc, mtp_acc = carry
-            # Forward slot: microbatch t - s.
+            fwd_BSD, bwd_BSD, stage_ring, embed_ring, acc, loss, stats_acc, mtp_acc = carry
+            # Forward slot: microbatch t - s. Its residuals go to ring slot (t - s) mod K, also
+            # when idle: that slot's last microbatch has had its backward (docs/pipeline.md).
             mf = t - s
             on_f = (mf >= 0) & (mf < M)
+            put_at = mf % K
             mf = jnp.clip(mf, 0, M - 1)
+
+            def embed_forward():
+                return _varying(embed_res.forward(embed, front(top), (), embed_aux(mf)), typed)
             if pipe.prefix:  # dense blocks: only stage 0 runs them
-                in_BSD = lax.cond(first, lambda: embed(front(top), mf), lambda: fwd_BSD)
+                in_BSD, embed_leaves = lax.cond(
+                    first, embed_forward,
+                    lambda: (fwd_BSD, _zeros(embed_res.stash_shapes, typed)))
             else:
-                in_BSD = jnp.where(first, embed(front(top), mf), fwd_BSD)
+                x0_BSD, embed_leaves = embed_forward()
+                in_BSD = jnp.where(first, x0_BSD, fwd_BSD)
+            embed_ring = stash.put(embed_ring, embed_leaves, put_at)
+
+            def stage_forward():
+                return _varying(stage_res.forward(stage, stage_vars, in_BSD, stage_aux(mf)),
+                                typed)
             if branchless:  # an idle slot runs on filler; its stats count for nothing
-                y_BSD, stats = stage(stage_vars, in_BSD, mf)
+                (y_BSD, stats), stage_leaves = stage_forward()
                 stats = jax.tree.map(lambda a: jnp.where(on_f, a, 0.0), stats)
             else:
-                y_BSD, stats = lax.cond(on_f, lambda: stage(stage_vars, in_BSD, mf),
-                                        lambda: _zeros(out_shapes, typed))
+                (y_BSD, stats), stage_leaves = lax.cond(
+                    on_f, stage_forward,
+                    lambda: _zeros(jax.eval_shape(stage_forward), typed))
             stats_acc = jax.tree.map(jnp.add, stats_acc, stats)  # zeros when idle
-            slot = lax.dynamic_index_in_dim(stash_KBSD, mf % K, 0, keepdims=False)
-            stash_KBSD = lax.dynamic_update_index_in_dim(
-                stash_KBSD, jnp.where(on_f, in_BSD, slot), mf % K, 0)
+            stage_ring = stash.put(stage_ring, stage_leaves, put_at)
 
             # The last stage turns its output into the loss and the loss gradient at once.
             def loss_and_grad(scale=1.0):
@@ -161,25 +196,22 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
             mtp_acc = jax.tree.map(jnp.add, mtp_acc, mtp)
 
             # Backward slot: microbatch t - 2(S-1) + s, its output gradient from stage s+1 (on
-            # the last stage: the one just computed). Recompute the stage forward, then its vjp.
+            # the last stage: the one just computed), its residuals from the ring.
             mb = t - 2 * (S - 1) + s
             on_b = (mb >= 0) & (mb < M)
-            mb = jnp.clip(mb, 0, M - 1)
+            take_at = jnp.clip(mb, 0, M - 1) % K
             g_BSD = jnp.where(last, dy_BSD, bwd_BSD)
-            x_BSD = lax.dynamic_index_in_dim(stash_KBSD, mb % K, 0, keepdims=False)
 
-            def stage_grad(scale=1.0):
-                _, vjp = jax.vjp(lambda v, x: stage(v, x, mb), stage_vars, x_BSD)
-                return vjp(jax.tree.map(lambda c: c * scale, (g_BSD, stats_ct)))
-            if branchless:  # an idle slot's zero cotangents give zero gradients
-                d_vars, dx_BSD = stage_grad(on_b.astype(jnp.float32))
+            def stage_grad():
+                return stage_res.backward(stash.take(stage_ring, take_at), (g_BSD, stats_ct))
+            if branchless:  # an idle slot's residuals may be a filler's, or zeros: drop them
+                d_vars, dx_BSD = jax.tree.map(lambda d: jnp.where(on_b, d, 0), stage_grad())
             else:
                 d_vars, dx_BSD = lax.cond(on_b, stage_grad,
                                           lambda: _zeros(jax.eval_shape(stage_grad), typed))
 
             def embed_grad():
-                _, vjp = jax.vjp(lambda e: embed(e, mb), front(top))
-                return vjp(dx_BSD)[0]
+                return embed_res.backward(stash.take(embed_ring, take_at), dx_BSD)[0]
             d_front = lax.cond(on_b & first, embed_grad,
                                lambda: _zeros(jax.eval_shape(embed_grad), typed))
 
@@ -202,16 +234,17 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                 y_BSD, dx_BSD = _after(y_BSD, dx_BSD, front_done), _after(dx_BSD, front_done)
             carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
                      lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
-                     stash_KBSD, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
+                     stage_ring, embed_ring, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
             return carry, None
 
-        zero_x = _zeros(x_shape, typed)
-        init = (zero_x, zero_x, _zeros(jax.ShapeDtypeStruct((K, *x_shape.shape), x_shape.dtype),
-                                       typed),
+        init = (zero_x, zero_x, _zeros(stash.ring_shapes(stage_res.stash_shapes, K), typed),
+                _zeros(stash.ring_shapes(embed_res.stash_shapes, K), typed),
                 _zeros(grad_shapes, typed), _zeros(jax.ShapeDtypeStruct((), jnp.float32), typed),
                 _zeros(out_shapes[1], typed),
                 _zeros(jax.eval_shape(lambda: head(top, zero_x, 0)[1][1]), typed))
-        (_, _, _, (d_stage, d_top), loss, stats, mtp), _ = lax.scan(tick, init, jnp.arange(T))
+        # Unrolled with the layer scan (`Transformer.scan_unroll`: FLOPs counted per tick).
+        (_, _, _, _, (d_stage, d_top), loss, stats, mtp), _ = lax.scan(
+            tick, init, jnp.arange(T), unroll=model.scan_unroll)
         loss = lax.psum(loss, STAGE)
         mtp = lax.psum(mtp, STAGE) if mtp else mtp  # the last stage's sums
         objective = loss
