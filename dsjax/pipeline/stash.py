@@ -40,6 +40,10 @@ class Residuals:
         """One microbatch's stashed leaves."""
         return [a for a, s in zip(self.avals, self.stashed) if s]
 
+    @property
+    def shared_avals(self) -> list[jax.ShapeDtypeStruct]:
+        return [a for a, s in zip(self.avals, self.stashed) if not s]
+
     def forward(self, fn: StageFn, consts: Any, inputs: Any, aux: Any) -> tuple[Any, list]:
         """(fn's output, the leaves to stash for this microbatch's backward)."""
         out, pullback = jax.vjp(lambda c, i: fn(c, i, aux), consts, inputs)
