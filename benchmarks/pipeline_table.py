@@ -8,7 +8,9 @@ mesh.data) compiles the loss and gradient of the training step (`dsjax.model.los
 `jax.value_and_grad`, with the step's shardings: what the schedule changes; the optimizer update
 adds the same to every row) for every schedule and microbatch count, and reads
 `memory_analysis().temp_size_in_bytes` and the collective-permute instructions of the compiled
-HLO (static count: one in a loop body counts once). `--rows_per_microbatch N` fixes the
+HLO (static count: one in a loop body counts once), and the FLOPs of the same program compiled
+with its scans unrolled, also as a ratio to gpipe's at the same microbatch count and remat policy
+(a schedule that recomputes shows above 1). `--rows_per_microbatch N` fixes the
 microbatch size (global batch = M * N) to show how memory grows with M; by default the global
 batch stays the config's. Bubble is the schedule's analytic idle share (dsjax/pipeline/).
 Circular's chunks per stage (`--repeats`) default to the config's `pipeline.repeats` when above 1,
@@ -16,7 +18,7 @@ else the smallest R >= 2 that splits the layers evenly. A row whose config does 
 (layers that do not split into stages x repeats, a microbatch count the batch does not divide)
 is kept with the reason instead of figures.
 Prints a table; writes {"config": str, "rows": [{"schedule", "microbatches", "repeats",
-"temp_bytes", "collective_permutes", "bubble", ...} or {"schedule", "microbatches", "repeats",
+"temp_bytes", "collective_permutes", "bubble", "flops", "flops_vs_gpipe", ...} or {"schedule", "microbatches", "repeats",
 "global_batch", "skipped": reason}]}.
 """
 
@@ -83,10 +85,19 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     with sharding.activate(trainer.mesh, trainer.rules):
         compiled = grad_fn.lower(state.params, trainer.abstract_batch()).compile()
     hlo = compiled.as_text()
+    # FLOPs from a second compile with every scan unrolled (the ticks and the layer stack):
+    # `cost_analysis` counts a loop body once.
+    unrolled = dataclasses.replace(state.objective,
+                                   model=state.objective.model.clone(scan_unroll=True))
+    flops_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, unrolled, b)[0]))
+    with sharding.activate(trainer.mesh, trainer.rules):
+        cost = flops_fn.lower(state.params, trainer.abstract_batch()).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return {"schedule": schedule, "microbatches": microbatches,
             "repeats": repeats if schedule == "circular" else 1,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
             "collective_permutes": len(_PERMUTE.findall(hlo)),
+            "flops": float(cost["flops"]),
             "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
                                                repeats, moe=cfg.model.n_routed_experts > 0),
             "global_batch": batch,
@@ -133,6 +144,11 @@ def main(argv=None) -> dict:
             r = 1 if schedule != "circular" else (
                 args.repeats or circular_repeats(cfg, m, args.rows_per_microbatch))
             rows.append(measure(cfg, schedule, m, r, args.rows_per_microbatch))
+    for row in rows:  # FLOPs over gpipe's at the same microbatch count and remat policy
+        base = [r for r in rows if r["schedule"] == "gpipe" and "flops" in r
+                and r["microbatches"] == row["microbatches"]]
+        if "flops" in row:
+            row["flops_vs_gpipe"] = row["flops"] / base[0]["flops"] if base else None
     import jax  # pylint: disable=g-import-not-at-top
     mesh = {"data": cfg.mesh.data, "tensor": cfg.mesh.tensor, "pipeline": cfg.mesh.pipeline}
     name = " ".join([args.config] + [f"--set {item}" for item in args.set])
@@ -145,7 +161,7 @@ def main(argv=None) -> dict:
           f"{cfg.train.compute_dtype}, remat {result['remat']}, loss+grad compiled on "
           f"{result['backend']}")
     header = (f"{'schedule':<9} {'micro':>5} {'repeats':>7} {'batch':>5} {'ticks':>5} "
-              f"{'temp MiB':>9} {'permutes':>8} {'bubble':>7}")
+              f"{'temp MiB':>9} {'permutes':>8} {'bubble':>7} {'GFLOP':>8} {'vs gpipe':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -153,8 +169,10 @@ def main(argv=None) -> dict:
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']}")
         else:
+            ratio = "-" if r["flops_vs_gpipe"] is None else f"{r['flops_vs_gpipe']:.3f}"
             print(f"{head} {r['ticks']:>5} {r['temp_bytes'] / 2**20:>9.2f} "
-                  f"{r['collective_permutes']:>8} {r['bubble']:>7.3f}")
+                  f"{r['collective_permutes']:>8} {r['bubble']:>7.3f} {r['flops'] / 1e9:>8.3f} "
+                  f"{ratio:>8}")
     report.write_json(args.out, result)
     return result
 
