@@ -133,8 +133,9 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         zero_x = _zeros(x_shape, typed)
         # The pullbacks of the stage and of stage 0's input, traced once: which residuals each
         # microbatch stashes until its backward tick, and the shared ones (from the params).
-        stage_res = stash.plan(stage, stage_vars, zero_x, stage_aux(0))
-        embed_res = stash.plan(embed, front(top), (), embed_aux(0))
+        m0 = s * 0  # a traced index, as the ticks' are (a constant one slices statically)
+        stage_res = stash.plan(stage, stage_vars, zero_x, stage_aux(m0))
+        embed_res = stash.plan(embed, front(top), (), embed_aux(m0))
         grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
         out_shapes = jax.eval_shape(lambda: stage(stage_vars, zero_x, stage_aux(0)))
         # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term

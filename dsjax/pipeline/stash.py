@@ -50,7 +50,9 @@ class Residuals:
         leaves = jax.tree.leaves(pullback)
         got = tuple(_aval(x) for x in leaves)
         if got != self.avals:  # the plan was traced from the same function: a bug if it differs
-            raise AssertionError(f"stage residuals changed between traces: {got} != {self.avals}")
+            diff = [(i, a, b) for i, (a, b) in enumerate(zip(got, self.avals)) if a != b]
+            raise AssertionError(f"stage residuals changed between traces ({len(got)} leaves, "
+                                 f"planned {len(self.avals)}): (leaf, now, planned) {diff}")
         return out, [x for x, s in zip(leaves, self.stashed) if s]
 
     def backward(self, stashed: list, cotangent: Any) -> Any:
