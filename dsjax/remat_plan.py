@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from dsjax import remat, sharding
 from dsjax.config import Config, ConfigError
+from dsjax.metrics.flops import compiled_flops
 from dsjax.metrics.memory import device_memory_bytes
 from dsjax.model.build import make_model
 from dsjax.model.decoder import abstract_params, count_params
@@ -79,12 +80,6 @@ def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
             params, batch).compile()
 
 
-def _flops(compiled: Any) -> float:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"])
-
-
 def measure(cfg: Config, mesh: Mesh, policy: str, layers: str) -> PolicyCost:
     """Predicted temp memory and FLOPs of one (policy, layers) choice at cfg's full depth."""
     # The result does not depend on cfg.remat (it is overridden below): drop it from the key.
@@ -96,7 +91,7 @@ def _measure(cfg: Config, mesh: Mesh, policy: str, layers: str) -> PolicyCost:
     costs = {}
     for groups in (1, 2):
         small, group = _with_depth(cfg, policy, layers, groups)
-        costs[("flops", groups)] = _flops(compile_grad(small, mesh, unroll=True))
+        costs[("flops", groups)] = compiled_flops(compile_grad(small, mesh, unroll=True))
     for groups in (2, 3):
         small, group = _with_depth(cfg, policy, layers, groups)
         costs[("temp", groups)] = compile_grad(small, mesh).memory_analysis().temp_size_in_bytes
@@ -119,9 +114,7 @@ def cost_analysis_flops(cfg: Any, mesh: Any) -> float:
     recomputation `cfg.remat` asks for. A partitioned program is one device's, so it is scaled
     by the device count (work replicated across tensor shards counts once per device).
     """
-    cost = compile_grad(cfg, mesh, unroll=True).cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"]) * mesh.devices.size
+    return compiled_flops(compile_grad(cfg, mesh, unroll=True)) * mesh.devices.size
 
 
 def static_bytes_per_device(cfg: Config, mesh: Mesh) -> float:

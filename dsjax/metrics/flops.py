@@ -66,6 +66,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + attention
 
 
+def compiled_flops(compiled) -> float:
+    """XLA's FLOP count of one compiled program (one device's). It counts a loop body once:
+    compile with the scans unrolled to count every iteration."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
 def peak_flops_per_device(override: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the number comes from)."""
     if override:

@@ -21,7 +21,7 @@ from jax.extend import core as jex_core
 # public API has no equivalent; it has kept this signature since JAX 0.4.
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr, dce_jaxpr
 
-# fn(consts, inputs, aux) -> (out, stats): differentiated w.r.t. consts (the params, the same for
+# fn(consts, inputs, aux) -> out: differentiated w.r.t. consts (the params, the same for
 # every microbatch) and inputs (the microbatch's activations); aux (its positions, segment ids,
 # token ids) is not differentiated.
 StageFn = Callable[[Any, Any, Any], Any]
