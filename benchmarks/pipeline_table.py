@@ -9,17 +9,20 @@ mesh.data) compiles the loss and gradient of the training step (`dsjax.model.los
 adds the same to every row) for every schedule and microbatch count, and reads
 `memory_analysis().temp_size_in_bytes` and the collective-permute instructions of the compiled
 HLO (static count: one in a loop body counts once), and the FLOPs of the same program compiled
-with its scans unrolled, also as a ratio to gpipe's at the same microbatch count and remat policy
-(a schedule that recomputes shows above 1). `--rows_per_microbatch N` fixes the
-microbatch size (global batch = M * N) to show how memory grows with M; by default the global
-batch stays the config's. Bubble is the schedule's analytic idle share (dsjax/pipeline/).
-Circular's chunks per stage (`--repeats`) default to the config's `pipeline.repeats` when above 1,
-else the smallest R >= 2 that splits the layers evenly. A row whose config does not validate
-(layers that do not split into stages x repeats, a microbatch count the batch does not divide)
-is kept with the reason instead of figures.
+with its scans unrolled. Static FLOPs count idle ticks as work, so the table also gives the
+FLOPs one more microbatch adds (from a second unrolled compile at M + S microbatches of the
+same size), and that over gpipe's at the same microbatch count and remat policy: a schedule
+that recomputes shows above 1 (docs/pipeline.md, "Measurements"). `--rows_per_microbatch N`
+fixes the microbatch size (global batch = M * N) to show how memory grows with M; by default
+the global batch stays the config's. Bubble is the schedule's analytic idle share
+(dsjax/pipeline/). The interleaved schedules' chunks per stage (`--repeats`) default to the
+config's `pipeline.repeats` when above 1, else the smallest R >= 2 that splits the layers
+evenly. A row whose config does not validate (layers that do not split into stages x repeats, a
+microbatch count the batch does not divide) is kept with the reason instead of figures.
 Prints a table; writes {"config": str, "rows": [{"schedule", "microbatches", "repeats",
-"temp_bytes", "collective_permutes", "bubble", "flops", "flops_vs_gpipe", ...} or {"schedule", "microbatches", "repeats",
-"global_batch", "skipped": reason}]}.
+"temp_bytes", "collective_permutes", "bubble", "flops", "flops_per_microbatch",
+"flops_vs_gpipe", ...} or {"schedule", "microbatches", "repeats", "global_batch",
+"skipped": reason}]}.
 """
 
 import argparse
@@ -33,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax import config as config_lib  # noqa: E402
+from dsjax.config.sections import (INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES,  # noqa: E402
+                                   chunks_per_stage)
 from dsjax.errors import ConfigError  # noqa: E402
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
@@ -47,15 +52,17 @@ def _with(cfg, schedule, microbatches, repeats, global_batch):
         data=dataclasses.replace(cfg.data, global_batch=global_batch))
 
 
-def circular_repeats(cfg, microbatches: int, rows_per_microbatch: int = 0) -> int:
-    """The config's pipeline.repeats when above 1, else the smallest R >= 2 for which circular
-    validates (its chunks split the layers); 2 when none does (that row then says why)."""
+def interleaved_repeats(cfg, schedule: str, microbatches: int,
+                        rows_per_microbatch: int = 0) -> int:
+    """The config's pipeline.repeats when above 1, else the smallest R >= 2 for which the
+    interleaved `schedule` validates (its chunks split the layers); 2 when none does (that row
+    then says why)."""
     if cfg.pipeline.repeats > 1:
         return cfg.pipeline.repeats
     batch = rows_per_microbatch * microbatches or cfg.data.global_batch
     for repeats in range(2, cfg.model.num_layers + 1):
         try:
-            config_lib.validate(_with(cfg, "circular", microbatches, repeats, batch))
+            config_lib.validate(_with(cfg, schedule, microbatches, repeats, batch))
             return repeats
         except ConfigError:
             continue
@@ -72,32 +79,44 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     from dsjax.model.loss import loss_fn  # pylint: disable=g-import-not-at-top
 
     batch = rows_per_microbatch * microbatches or cfg.data.global_batch
+    repeats = chunks_per_stage(schedule, repeats)
     cfg = _with(cfg, schedule, microbatches, repeats, batch)
     try:
         config_lib.validate(cfg)
     except ConfigError as e:
-        return {"schedule": schedule, "microbatches": microbatches,
-                "repeats": repeats if schedule == "circular" else 1, "global_batch": batch,
-                "skipped": str(e)}
+        return {"schedule": schedule, "microbatches": microbatches, "repeats": repeats,
+                "global_batch": batch, "skipped": str(e)}
     trainer = train.build_trainer(cfg)
     state = trainer.abstract_state()
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, state.objective, b)[0]))
-    # FLOPs from a second compile with every scan unrolled (the ticks and the layer stack):
-    # `cost_analysis` counts a loop body once.
-    unrolled = dataclasses.replace(state.objective,
-                                   model=state.objective.model.clone(scan_unroll=True))
-    flops_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, unrolled, b)[0]))
+
+    def unrolled_flops(cfg) -> float:
+        """FLOPs of the program compiled with every scan unrolled (the ticks and the layer
+        stack): `cost_analysis` counts a loop body once."""
+        trainer = train.build_trainer(cfg)
+        state = trainer.abstract_state()
+        unrolled = dataclasses.replace(state.objective,
+                                       model=state.objective.model.clone(scan_unroll=True))
+        fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, unrolled, b)[0]))
+        with sharding.activate(trainer.mesh, trainer.rules):
+            return compiled_flops(fn.lower(state.params, trainer.abstract_batch()).compile())
+
     with sharding.activate(trainer.mesh, trainer.rules):
         t0 = time.perf_counter()
         compiled = grad_fn.lower(state.params, trainer.abstract_batch()).compile()
         compile_s = time.perf_counter() - t0  # the program the step runs, not the unrolled one
-        flops = compiled_flops(flops_fn.lower(state.params, trainer.abstract_batch()).compile())
+    flops = unrolled_flops(cfg)
+    # S more microbatches of the same size (the smallest step that splits): what a microbatch
+    # adds, without the idle ticks and the per-step work that static FLOPs also count.
+    S = cfg.mesh.pipeline
+    more = _with(cfg, schedule, microbatches + S, repeats, batch // microbatches * (
+        microbatches + S))
+    per_microbatch = (unrolled_flops(more) - flops) / S
     hlo = compiled.as_text()
-    return {"schedule": schedule, "microbatches": microbatches,
-            "repeats": repeats if schedule == "circular" else 1,
+    return {"schedule": schedule, "microbatches": microbatches, "repeats": repeats,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
             "collective_permutes": len(_PERMUTE.findall(hlo)),
-            "flops": flops,
+            "flops": flops, "flops_per_microbatch": per_microbatch,
             "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
                                                repeats, moe=cfg.model.n_routed_experts > 0),
             "global_batch": batch,
@@ -109,10 +128,11 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
     parser.add_argument("--out", default=None, help="JSON output path")
-    parser.add_argument("--schedules", default="gpipe,circular,1f1b")
+    parser.add_argument("--schedules", default=",".join(PIPELINE_SCHEDULES))
     parser.add_argument("--microbatches", default="", help="comma-separated counts (default: "
                         "the config's pipeline.microbatches)")
-    parser.add_argument("--repeats", type=int, default=0, help="circular: chunks per stage "
+    parser.add_argument("--repeats", type=int, default=0, help="circular, interleaved_1f1b: "
+                        "chunks per stage "
                         "(default: pipeline.repeats if > 1, else the smallest >= 2 that splits "
                         "the layers)")
     parser.add_argument("--pipeline", type=int, default=0, help="override mesh.pipeline "
@@ -141,14 +161,15 @@ def main(argv=None) -> dict:
     rows = []
     for schedule in args.schedules.split(","):
         for m in counts:
-            r = 1 if schedule != "circular" else (
-                args.repeats or circular_repeats(cfg, m, args.rows_per_microbatch))
+            r = 1 if schedule not in INTERLEAVED_SCHEDULES else (
+                args.repeats or interleaved_repeats(cfg, schedule, m, args.rows_per_microbatch))
             rows.append(measure(cfg, schedule, m, r, args.rows_per_microbatch))
-    for row in rows:  # FLOPs over gpipe's at the same microbatch count and remat policy
+    for row in rows:  # a microbatch's FLOPs over gpipe's at the same count and remat policy
         base = [r for r in rows if r["schedule"] == "gpipe" and "flops" in r
                 and r["microbatches"] == row["microbatches"]]
         if "flops" in row:
-            row["flops_vs_gpipe"] = row["flops"] / base[0]["flops"] if base else None
+            row["flops_vs_gpipe"] = (row["flops_per_microbatch"] / base[0]["flops_per_microbatch"]
+                                     if base else None)
     import jax  # pylint: disable=g-import-not-at-top
     mesh = {"data": cfg.mesh.data, "tensor": cfg.mesh.tensor, "pipeline": cfg.mesh.pipeline}
     name = " ".join([args.config] + [f"--set {item}" for item in args.set])
@@ -160,19 +181,21 @@ def main(argv=None) -> dict:
     print(f"{name}: mesh {mesh}, {cfg.model.num_layers} layers, seq {cfg.data.seq_len}, "
           f"{cfg.train.compute_dtype}, remat {result['remat']}, loss+grad compiled on "
           f"{result['backend']}")
-    header = (f"{'schedule':<9} {'micro':>5} {'repeats':>7} {'batch':>5} {'ticks':>5} "
-              f"{'temp MiB':>9} {'permutes':>8} {'bubble':>7} {'GFLOP':>8} {'vs gpipe':>8}")
+    header = (f"{'schedule':<16} {'micro':>5} {'repeats':>7} {'batch':>5} {'ticks':>5} "
+              f"{'temp MiB':>9} {'permutes':>8} {'bubble':>7} {'GFLOP':>8} {'GFLOP/mb':>8} "
+              f"{'vs gpipe':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        head = f"{r['schedule']:<9} {r['microbatches']:>5} {r['repeats']:>7} {r['global_batch']:>5}"
+        head = (f"{r['schedule']:<16} {r['microbatches']:>5} {r['repeats']:>7} "
+                f"{r['global_batch']:>5}")
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']}")
         else:
             ratio = "-" if r["flops_vs_gpipe"] is None else f"{r['flops_vs_gpipe']:.3f}"
             print(f"{head} {r['ticks']:>5} {r['temp_bytes'] / 2**20:>9.2f} "
                   f"{r['collective_permutes']:>8} {r['bubble']:>7.3f} {r['flops'] / 1e9:>8.3f} "
-                  f"{ratio:>8}")
+                  f"{r['flops_per_microbatch'] / 1e9:>8.3f} {ratio:>8}")
     report.write_json(args.out, result)
     return result
 

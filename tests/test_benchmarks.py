@@ -218,8 +218,12 @@ def test_documented_command(name, tmp_path):
         assert result["candidate"]["compute_dtype"] == "fp8"
     elif name == "pipeline_table":
         by_schedule = {r["schedule"]: r for r in result["rows"]}
-        assert set(by_schedule) == {"gpipe", "circular", "1f1b"}
+        assert set(by_schedule) == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
         assert by_schedule["circular"]["repeats"] == 2  # 4 layers = 2 stages x 2 chunks
+        assert by_schedule["interleaved_1f1b"]["repeats"] == 2
+        # Neither 1F1B recomputes: a microbatch costs what gpipe's does (measured 1.000)
+        for schedule in ("1f1b", "interleaved_1f1b"):
+            assert abs(by_schedule[schedule]["flops_vs_gpipe"] - 1) < 0.02, by_schedule
         assert all(r["temp_bytes"] > 0 for r in result["rows"])
     elif name == "pipeline_table_flags":
         by_schedule = {r["schedule"]: r for r in result["rows"]}
@@ -266,9 +270,11 @@ def test_pipeline_table_reports_rows_that_do_not_split():
     assert row == {"schedule": "circular", "microbatches": 4, "repeats": 2, "global_batch": 16,
                    "skipped": "model.num_layers: 6 layers do not split into mesh.pipeline x "
                               "pipeline.repeats = 2 x 2 equal chunks"}
-    assert pipeline_table.circular_repeats(cfg, 4) == 3
-    assert pipeline_table.circular_repeats(compare._load("configs/cpu_tiny.py|model.num_layers=2"),
-                                           4) == 2  # none splits: the row will say why
+    assert pipeline_table.interleaved_repeats(cfg, "circular", 4) == 3
+    assert pipeline_table.interleaved_repeats(cfg, "interleaved_1f1b", 4) == 3
+    assert pipeline_table.interleaved_repeats(
+        compare._load("configs/cpu_tiny.py|model.num_layers=2"), "circular",
+        4) == 2  # none splits: the row will say why
 
 
 def test_load_record_marks_contention(monkeypatch):

@@ -17,7 +17,7 @@ from dsjax import config as config_lib
 from dsjax import fp8, pipeline, sharding, train
 from dsjax.config import ConfigError
 from dsjax.model.loss import ModelLoss, loss_fn
-from dsjax.pipeline import gpipe
+from dsjax.pipeline import stages as stages_lib
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import pipeline_table  # noqa: E402  pylint: disable=wrong-import-position
@@ -57,9 +57,15 @@ def _loss_and_grads(apply_fn, params, batch):
     ("1f1b", (2, 2, 2), 2, 1, 4, False, 0),
     ("1f1b", (2, 2, 2), 4, 1, 4, True, 0),
     pytest.param("1f1b", (1, 1, 8), 8, 1, 8, True, 0, marks=pytest.mark.slow),
+    # Interleaved 1F1B: 2 or 3 chunks per stage, units of one microbatch group per chunk.
+    ("interleaved_1f1b", (2, 2, 2), 2, 2, 4, True, 0),
+    ("interleaved_1f1b", (2, 2, 2), 2, 2, 4, False, 0),
+    ("interleaved_1f1b", (2, 2, 2), 4, 3, 6, True, 0),  # 2 groups of 2 microbatches
+    ("interleaved_1f1b", (2, 1, 4), 4, 2, 8, True, 0),
     # MTP modules (DeepSeek-V3 §2.2) run with the head on the last stage's outputs.
     ("gpipe", (2, 2, 2), 2, 1, 4, True, 2),
     ("1f1b", (2, 2, 2), 2, 1, 4, True, 1),
+    ("interleaved_1f1b", (2, 2, 2), 4, 2, 4, True, 1),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats, layers,
                                                 typed, mtp):
@@ -316,7 +322,10 @@ def test_onebit_adam_with_a_pipeline_matches_onebit_adam_without(schedule, chunk
     ({"pipeline.microbatches": 3}, "pipeline.microbatches"),
     ({"pipeline.microbatches": 4, "data.global_batch": 12}, "data.global_batch"),  # 12 % 8
     ({"pipeline.schedule": "zero_bubble"}, "pipeline.schedule"),
-    ({"pipeline.repeats": 2}, "pipeline.repeats"),  # only circular interleaves
+    ({"pipeline.repeats": 2}, "pipeline.repeats"),  # 1f1b does not interleave
+    ({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 4}, "model.num_layers"),
+    ({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
+      "train.compute_dtype": "float16"}, "train.compute_dtype"),
     ({"remat.policy": "full", "remat.layers": "every_4"}, "remat.layers"),  # chunks of 2 differ
     ({"train.compute_dtype": "fp8", "fp8.keep_first_layers": 1}, "fp8.keep_first_layers"),
     ({"batch.micro_batch": 3}, "batch.micro_batch"),  # 3 rows per replica into 2 microbatches
@@ -355,19 +364,26 @@ def test_checkpoint_written_with_pp2_evaluates_with_pp1(tmp_path):
 
 @pytest.mark.parametrize("stages, repeats", [(2, 2), (4, 2), (2, 3), (3, 5), (4, 8)])
 def test_interleave_tables_move_every_chunk_to_its_circular_slot(stages, repeats):
-    send, recv = gpipe.interleave_tables(stages, repeats)
+    send, recv = stages_lib.interleave_tables(stages, repeats)
     # Stage s holds chunks s*R + j contiguously; pad index R means "nothing".
     local = [list(range(s * repeats, (s + 1) * repeats)) + [-1] for s in range(stages)]
     sent = [[[local[s][j] for j in send[s, d]] for d in range(stages)] for s in range(stages)]
     for d in range(stages):
         got = [sent[src][d][p] for src, p in recv[d]]
         assert got == [r * stages + d for r in range(repeats)]
+    # The inverse tables (the gradients' way back) restore the contiguous chunks.
+    send, recv = stages_lib.interleave_tables(stages, repeats, inverse=True)
+    circular = [[r * stages + s for r in range(repeats)] + [-1] for s in range(stages)]
+    sent = [[[circular[s][j] for j in send[s, d]] for d in range(stages)] for s in range(stages)]
+    for d in range(stages):
+        assert [sent[src][d][p] for src, p in recv[d]] == local[d][:repeats]
 
 
-def test_1f1b_with_delayed_fp8_matches_the_unpipelined_model():
+@pytest.mark.parametrize("schedule, repeats", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_hand_backward_with_delayed_fp8_matches_the_unpipelined_model(schedule, repeats):
     """Delayed scaling quantises with last step's scales, so microbatching changes nothing: the
     loss, the gradients and the amax observations (max over microbatches) must all match."""
-    cfg = _pipelined((2, 2, 2), "1f1b", 2, **{"train.compute_dtype": "fp8", "fp8.recipe":
+    cfg = _pipelined((2, 2, 2), schedule, 2, repeats, **{"train.compute_dtype": "fp8", "fp8.recipe":
                                               "delayed", "fp8.other_dtype": "float32",
                                               "fp8.history_len": 4})
     trainer = train.build_trainer(cfg)
@@ -439,6 +455,8 @@ def _objective_and_aux(apply_fn, params, batch):
         ("gpipe", (2, 2, 2), 2, 1, True, 2, 1),
         ("1f1b", (2, 2, 2), 2, 1, True, 1, 1),
         ("circular", (2, 1, 4), 4, 1, True, 1, 0),
+        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 0, 0),
+        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 1, 1),
     ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats,
                                                     expert_parallel, dense, mtp):
@@ -547,3 +565,26 @@ def test_moe_pipeline_limits_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
         _moe_pipelined((2, 2, 2), "1f1b", 2, **overrides)
     assert str(err.value).startswith(field + ":"), str(err.value)
+
+
+@pytest.mark.parametrize("schedule, repeats", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_hand_backward_step_has_each_fp8_dot_once(schedule, repeats):
+    """h100_fp8:smoke's step with 4 layers, remat none: each stage chunk's forward runs once and
+    its backward from the stash, so the StableHLO holds exactly the precision policy's dots. By
+    hand: one scanned body of 7 fp8 projections x 3 GEMMs = 21 fp8 dots, and the attention
+    core's 6 and the chunked head's 4 high-precision ones. A stage forward recomputed in the
+    backward adds 7 fp8 dots; an interleaved chunk traced apart from the others, 21."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import fp8_hlo  # noqa: E402  pylint: disable=import-outside-toplevel
+
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "h100_fp8.py:smoke"), {
+        "model.num_layers": 4, "pipeline.schedule": schedule, "pipeline.repeats": repeats,
+        "remat.policy": "none", "optim.name": "adamw"})
+    trainer = train.build_trainer(cfg)
+    with sharding.activate(trainer.mesh, trainer.rules):
+        text = trainer.jitted(0).lower(trainer.abstract_state(),
+                                       trainer.abstract_batch()).as_text()
+    dots = fp8.dot_general_dtypes(text)
+    fp8_dots = [d for d in dots if any(t.startswith("f8") for t in d[:2])]
+    assert (len(fp8_dots), len(dots) - len(fp8_dots)) == fp8_hlo.expected_counts(trainer)
+    assert (len(fp8_dots), len(dots) - len(fp8_dots)) == (21, 10)

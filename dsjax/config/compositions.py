@@ -9,7 +9,7 @@ on each section being well-formed (e.g. the layers split into pipeline chunks).
 from __future__ import annotations
 
 from dsjax import remat
-from dsjax.config.sections import Config
+from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, INTERLEAVED_SCHEDULES, Config
 from dsjax.errors import ConfigError
 
 
@@ -76,9 +76,10 @@ def compositions(cfg: Config) -> None:
 
     # Pipeline parallelism.
     p = cfg.pipeline
-    if p.repeats > 1 and p.schedule != "circular":
-        raise ConfigError(f"pipeline.repeats: only the circular schedule interleaves layer "
-                          f"chunks; got repeats={p.repeats} with schedule {p.schedule!r}")
+    if p.repeats > 1 and p.schedule not in INTERLEAVED_SCHEDULES:
+        raise ConfigError(f"pipeline.repeats: only the schedules {INTERLEAVED_SCHEDULES} "
+                          f"interleave layer chunks; got repeats={p.repeats} with schedule "
+                          f"{p.schedule!r}")
     if S == 1:
         return
     # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline/).
@@ -96,19 +97,19 @@ def compositions(cfg: Config) -> None:
             if getattr(f, key):
                 raise ConfigError(f"fp8.{key}: must be 0 with mesh.pipeline > 1 (every stage "
                                   f"runs the same program, so no layer can leave fp8)")
-        if f.recipe == "delayed" and p.schedule != "1f1b":
+        if f.recipe == "delayed" and p.schedule not in HAND_BACKWARD_SCHEDULES:
             # jax.grad would sum each stage's amax observations over the ticks, not max them.
-            raise ConfigError(f"fp8.recipe: 'delayed' needs pipeline.schedule '1f1b' (which "
-                              f"max-combines its amax observations itself), got "
-                              f"{p.schedule!r}; or use 'current' / 'rowwise'")
+            raise ConfigError(f"fp8.recipe: 'delayed' needs pipeline.schedule '1f1b' or "
+                              f"'interleaved_1f1b' (which max-combine their amax observations "
+                              f"themselves), got {p.schedule!r}; or use 'current' / 'rowwise'")
     if cfg.mesh.fsdp:
         raise ConfigError("mesh.fsdp: not with mesh.pipeline > 1 yet (XLA's SPMD partitioner "
                           "fails on data-sharded weights inside the pipeline's shard_map); the "
                           "stages already split the layer weights")
-    if cfg.train.compute_dtype == "float16" and p.schedule == "1f1b":
-        raise ConfigError("train.compute_dtype: float16 loss scaling does not reach inside the "
-                          "1f1b schedule's own backward; use bfloat16, or pipeline.schedule "
-                          "gpipe/circular")
+    if cfg.train.compute_dtype == "float16" and p.schedule in HAND_BACKWARD_SCHEDULES:
+        raise ConfigError(f"train.compute_dtype: float16 loss scaling does not reach inside the "
+                          f"{p.schedule} schedule's own backward; use bfloat16, or "
+                          f"pipeline.schedule gpipe/circular")
     if k and fp8 and f.recipe == "delayed":
         raise ConfigError(f"fp8.recipe: 'delayed' keeps no amax state for the dense prefix blocks "
                           f"that run before the pipeline stages (model.first_k_dense_replace = "

@@ -160,14 +160,26 @@ class RematConfig:
                                    # the device's memory where it reports it)
 
 
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+# The schedules that run `pipeline.repeats` layer chunks per stage, and the ones that compute
+# their own backward (docs/pipeline.md).
+INTERLEAVED_SCHEDULES = ("circular", "interleaved_1f1b")
+HAND_BACKWARD_SCHEDULES = ("1f1b", "interleaved_1f1b")
+
+
+def chunks_per_stage(schedule: str, repeats: int) -> int:
+    """Layer chunks each pipeline stage runs: `pipeline.repeats` if the schedule interleaves."""
+    return repeats if schedule in INTERLEAVED_SCHEDULES else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     # dsjax/pipeline/; used when mesh.pipeline > 1 (docs/pipeline.md).
-    schedule: str = "1f1b"  # gpipe | circular | 1f1b; 1f1b, as every pipelined config had:
+    schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES; 1f1b, as every pipelined config had:
                             # activation memory flat in the microbatch count (float16 needs
                             # gpipe or circular)
     microbatches: int = 1  # per step; a multiple of mesh.pipeline
-    repeats: int = 1  # circular: layer chunks per stage (interleaved); 1 for gpipe and 1f1b
+    repeats: int = 1  # circular, interleaved_1f1b: layer chunks per stage; 1 for the others
 
 
 @dataclasses.dataclass(frozen=True)

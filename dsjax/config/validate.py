@@ -13,7 +13,7 @@ import os
 
 from dsjax import remat
 from dsjax.config.compositions import compositions
-from dsjax.config.sections import Config, ModelConfig
+from dsjax.config.sections import PIPELINE_SCHEDULES, Config, ModelConfig, chunks_per_stage
 from dsjax.errors import ConfigError, one_of
 from dsjax.runtime import xla_flags
 
@@ -25,7 +25,6 @@ NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "onebit_adam")
 ONEBIT_COMPRESS = ("update", "momentum")  # 1-bit Adam: m / (sqrt(v) + eps), or m (DeepSpeed)
 DATA_SOURCES = ("stdlib", "prepared")
-PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 BATCH_POLICIES = ("fixed", "ramp", "adaptive")
 LR_SCALINGS = ("none", "linear", "sqrt")
 ATTENTION_KINDS = ("mha", "mla")
@@ -211,8 +210,8 @@ def validate_pipeline(cfg: Config) -> None:
     m = cfg.model
     # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline/).
     k = m.first_k_dense_replace if m.is_moe else 0
-    # repeats > 1 belongs to circular only (compositions() says so); split as the schedule will
-    L, R = m.num_layers - k, p.repeats if p.schedule == "circular" else 1
+    # repeats > 1 belongs to the interleaved schedules (compositions() says so)
+    L, R = m.num_layers - k, chunks_per_stage(p.schedule, p.repeats)
     if L % (S * R):
         what = f"{L} MoE layers (after {k} dense)" if k else f"{L} layers"
         raise ConfigError(f"model.num_layers: {what} do not split into mesh.pipeline x "

@@ -9,14 +9,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax.model.decoder import embed_tokens
 from dsjax.model.loss import BATCH_KEYS
-from dsjax.pipeline.stages import (STAGE, StagedModel, head_nll, mtp_terms, run_chunk,
-                                   split_params, stage0_input, stage_specs, ticks)
+from dsjax.pipeline.stages import (STAGE, StagedModel, head_nll, index, interleave, mtp_terms,
+                                   run_chunk, split_params, stage0_input, stage_specs, ticks)
 
 
 def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array]
@@ -26,7 +25,7 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
     sums, `mtp_terms`), the layers pipelined over `pipeline`. Each stage runs the head and MTP
     on its M/S microbatches of the last stage's outputs."""
     S, M = pipe.stages, pipe.microbatches
-    R = pipe.repeats if pipe.schedule == "circular" else 1
+    R = pipe.per_stage
     T = ticks(pipe.schedule, S, M, R)
     model, chunk_model = pipe.model, pipe.chunk_model()
     moe = model.cfg.is_moe
@@ -39,7 +38,7 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
     # micro [M, B/M, S] replicated over stages -> this stage's share of the NLL sum, psummed;
     # MoE: the balance sum (psummed) and this stage's loads [R, Lc, E] (chunk r*S + s at r).
     def body(chunks, top, micro):
-        chunks = _interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
+        chunks = interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
             lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
         s = lax.axis_index(STAGE)
         if pipe.prefix:  # the dense prefix blocks feed stage 0 only
@@ -70,7 +69,7 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
             else:
                 fresh_BSD = x_MBSD[m]
             in_BSD = jnp.where(s == 0, fresh_BSD, state_BSD)
-            y_BSD, stats = run_chunk(chunk_model, _index(chunks, r), in_BSD,
+            y_BSD, stats = run_chunk(chunk_model, index(chunks, r), in_BSD,
                                      micro["positions"][m], micro["segment_ids"][m])
             if moe:  # idle ticks (the bubble) run on filler: their stats count for nothing
                 busy = (u >= 0) & (u < R * M)
@@ -120,44 +119,6 @@ def _scatter_from_last(out_MBSD: jax.Array, S: int, n: int) -> jax.Array:
     for d in range(S - 1):
         mine = mine + lax.ppermute(out_MBSD[d * n:(d + 1) * n], STAGE, [(S - 1, d)])
     return mine
-
-
-def interleave_tables(S: int, R: int) -> tuple[np.ndarray, np.ndarray]:
-    """Index tables that move chunk c = s*R + j (stage s's j-th contiguous chunk) to stage
-    c % S, slot c // S. send[s, d, p]: the local chunk stage s sends to stage d in slot p (R:
-    padding); recv[d, r]: (source stage, slot) of stage d's r-th circular chunk."""
-    P_ = -(-R // S)  # slots per (source, destination) pair
-    send = np.full((S, S, P_), R, np.int32)
-    recv = np.zeros((S, R, 2), np.int32)
-    used = np.zeros((S, S), np.int32)
-    for c in range(R * S):
-        (src, j), (dst, r) = divmod(c, R), (c % S, c // S)
-        send[src, dst, used[src, dst]] = j
-        recv[dst, r] = (src, used[src, dst])
-        used[src, dst] += 1
-    return send, recv
-
-
-def _interleave(local: Any, S: int, R: int) -> Any:
-    """This stage's contiguous chunks [R, Lc, ...] (chunk s*R + j at j) -> its circular chunks
-    (chunk r*S + s at r), with one all_to_all over `pipeline`. Checkpoints keep the natural
-    layer order; the weights move here every step, and their gradients back (its transpose)."""
-    if R == 1:
-        return local
-    send, recv = interleave_tables(S, R)
-    s = lax.axis_index(STAGE)
-    send_row, recv_row = jnp.asarray(send)[s], jnp.asarray(recv)[s]
-
-    def move(a):
-        padded = jnp.concatenate([a, jnp.zeros_like(a[:1])])  # index R is padding
-        got = lax.all_to_all(padded[send_row], STAGE, 0, 0, tiled=True)  # [S, P, Lc, ...]
-        return got[recv_row[:, 0], recv_row[:, 1]]
-
-    return jax.tree.map(move, local)
-
-
-def _index(tree: Any, i: jax.Array) -> Any:
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
 def _fold(a: jax.Array) -> jax.Array:

@@ -1,12 +1,12 @@
-"""The 1F1B schedule (PipeDream-Flush): forwards and backwards interleaved in one `lax.scan`,
-gradients by hand (per-microbatch `jax.vjp`), wrapped in a `jax.custom_vjp` so the caller
-differentiates it like any loss. Activation memory is flat in the number of microbatches. See
-docs/pipeline.md.
+"""The 1F1B schedule (PipeDream-Flush) and its interleaved form (Megatron-LM's virtual stages):
+forwards and backwards alternate in one `lax.scan`, gradients by hand (per-unit `jax.vjp`),
+wrapped in a `jax.custom_vjp` so the caller differentiates it like any loss. Activation memory
+is flat in the number of microbatches. See docs/pipeline.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +17,9 @@ from dsjax import fp8
 from dsjax.sharding import varying_axes
 from dsjax.model.loss import BATCH_KEYS
 from dsjax.pipeline import stash
-from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, mtp_terms,
-                                   run_chunk, split_params, stage0_input, stage_specs, ticks)
+from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, index, interleave,
+                                   mtp_terms, run_chunk, split_params, stage0_input, stage_specs,
+                                   ticks)
 
 
 def one_f_one_b_loss(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
@@ -63,15 +64,57 @@ def _varying(tree: Any, typed: bool) -> Any:
                         else lax.pcast(x, STAGE, to="varying"), tree)
 
 
+def stash_slots(S: int, R: int) -> int:
+    """Ring slots: a unit's residuals live at most 2(RS - 1) ticks (docs/pipeline.md)."""
+    return 2 * R * S - 1
+
+
+class TickPlan(NamedTuple):
+    """What stage s does at tick t: a forward unit and a backward unit, each (busy?, microbatch,
+    chunk, stash slot); idle units carry a clipped, in-range microbatch and chunk."""
+    on_f: Any
+    mf: Any
+    rf: Any
+    put_at: Any
+    on_b: Any
+    mb: Any
+    rb: Any
+    take_at: Any
+
+
+def tick_plan(t: Any, s: Any, S: int, R: int, M: int) -> TickPlan:
+    """Stage s runs forward unit u = t - s and backward unit w = t - lag + s of its R*M units.
+    Units go in groups of S microbatches, each group through the stage's chunk 0, 1, ..., R-1
+    forward and R-1, ..., 0 backward, so a unit's input arrives from the previous stage (stage
+    0: from the last, one chunk earlier) the tick before, and the unit leaving the last stage
+    turns around in the same tick. Works on Python ints and traced arrays alike."""
+    N, K, lag = R * M, stash_slots(S, R), (R + 1) * S - 2
+
+    def unit(u):
+        group, rem = u // (S * R), u % (S * R)
+        return group * S + rem % S, rem // S
+
+    u, w = t - s, t - lag + s
+    mf, rf = unit(jnp.clip(u, 0, N - 1))
+    wc = jnp.clip(w, 0, N - 1)
+    mb, r = unit(wc)
+    rb = R - 1 - r
+    # The residuals of (mb, rb): forward unit rb*S + mb % S of the same group.
+    take_at = ((wc // (S * R)) * (S * R) + rb * S + wc % S) % K
+    return TickPlan((u >= 0) & (u < N), mf, rf, u % K, (w >= 0) & (w < N), mb, rb, take_at)
+
+
 def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
                  count: jax.Array, mtp_count: jax.Array) -> tuple[Any, Any, Any]:
     """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense; MTP sums,
     `mtp_terms`)), the objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B
-    schedule. The objective is the mean NLL plus, for MoE models, alpha x the balance terms
+    schedule, interleaved over R = `pipe.per_stage` layer chunks per stage. The objective is the mean NLL plus, for MoE models, alpha x the balance terms
     summed over layers and averaged over microbatches, plus mtp_loss_weight x the mean of the
     MTP modules' losses (`Pipelined.loss_and_aux`). `mtp_count`: each module's weight sum [n]."""
-    S, M = pipe.stages, pipe.microbatches
-    T, K = ticks("1f1b", S, M), 2 * S - 1  # ticks; stash slots (>= microbatches in flight)
+    S, M, R = pipe.stages, pipe.microbatches, pipe.per_stage
+    T, K = ticks(pipe.schedule, S, M, R), stash_slots(S, R)
+    # A lap of the ring ends on the last stage; interleaved, it continues on stage 0.
+    wrap = range(S if R > 1 else S - 1)
     model, chunk_model = pipe.model, pipe.chunk_model()
     moe = model.cfg.is_moe
     # MoE stages run in every tick, idle or not, instead of under a `lax.cond` that only some
@@ -88,9 +131,10 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
 
     # Block: manual over `pipeline`. chunks [L/S, ...], top and micro [M, B/M, S] replicated
     # -> loss (psummed), layer grads [L/S, ...] and meta observations, top grads (psummed);
-    # MoE: the balance sum (psummed) and this stage's loads [L/S, E].
+    # MoE: the balance sum (psummed) and this stage's loads [R, Lc, E] (chunk r*S + s at r).
     def body(chunks, top, micro, inv_count, inv_mtp):
-        stage_vars = chunks  # [Lc, ...]
+        stage_vars = interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
+            lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
         if typed:
             # Varying: each stage's vjp then returns its own gradient of the replicated params
             # instead of one all-reduced inside the loop (DESIGN invariant 3).
@@ -134,10 +178,11 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         # The pullbacks of the stage and of stage 0's input, traced once: which residuals each
         # microbatch stashes until its backward tick, and the shared ones (from the params).
         m0 = s * 0  # a traced index, as the ticks' are (a constant one slices statically)
-        stage_res = stash.plan(stage, stage_vars, zero_x, stage_aux(m0))
+        stage_res = stash.stack([stash.plan(stage, index(stage_vars, r), zero_x, stage_aux(m0))
+                                 for r in range(R)])
         embed_res = stash.plan(embed, front(top), (), embed_aux(m0))
         grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
-        out_shapes = jax.eval_shape(lambda: stage(stage_vars, zero_x, stage_aux(0)))
+        out_shapes = jax.eval_shape(lambda: stage(index(stage_vars, 0), zero_x, stage_aux(0)))
         # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term
         # (the aux loss averages microbatches), none for the loads (counts, no gradient).
         stats_ct = (None if not moe else
@@ -149,27 +194,27 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
 
         def tick(carry, t):
             fwd_BSD, bwd_BSD, stage_ring, embed_ring, acc, loss, stats_acc, mtp_acc = carry
-            # Forward slot: microbatch t - s. Its residuals go to ring slot (t - s) mod K, also
-            # when idle: that slot's last microbatch has had its backward (docs/pipeline.md).
-            mf = t - s
-            on_f = (mf >= 0) & (mf < M)
-            put_at = mf % K
-            mf = jnp.clip(mf, 0, M - 1)
+            # The forward unit's residuals go to its ring slot also when idle: that slot's
+            # last unit has had its backward (docs/pipeline.md).
+            plan = tick_plan(t, s, S, R, M)
+            on_f, mf, rf, put_at = plan.on_f, plan.mf, plan.rf, plan.put_at
+            enter = first & (rf == 0)  # the unit enters the pipeline: stage 0's input
+            leave = last & (rf == R - 1)  # it leaves it: the head and the loss
 
             def embed_forward():
                 return _varying(embed_res.forward(embed, front(top), (), embed_aux(mf)), typed)
             if pipe.prefix:  # dense blocks: only stage 0 runs them
                 in_BSD, embed_leaves = lax.cond(
-                    first, embed_forward,
+                    enter, embed_forward,
                     lambda: (fwd_BSD, _zeros(embed_res.stash_shapes, typed)))
             else:
                 x0_BSD, embed_leaves = embed_forward()
-                in_BSD = jnp.where(first, x0_BSD, fwd_BSD)
+                in_BSD = jnp.where(enter, x0_BSD, fwd_BSD)
             embed_ring = stash.put(embed_ring, embed_leaves, put_at)
 
             def stage_forward():
-                return _varying(stage_res.forward(stage, stage_vars, in_BSD, stage_aux(mf)),
-                                typed)
+                return _varying(stage_res.forward(stage, index(stage_vars, rf), in_BSD,
+                                                  stage_aux(mf)), typed)
             if branchless:  # an idle slot runs on filler; its stats count for nothing
                 (y_BSD, stats), stage_leaves = stage_forward()
                 stats = jax.tree.map(lambda a: jnp.where(on_f, a, 0.0), stats)
@@ -177,7 +222,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                 (y_BSD, stats), stage_leaves = lax.cond(
                     on_f, stage_forward,
                     lambda: _zeros(jax.eval_shape(stage_forward), typed))
-            stats_acc = jax.tree.map(jnp.add, stats_acc, stats)  # zeros when idle
+            stats_acc = jax.tree.map(lambda a, x: a.at[rf].add(x), stats_acc, stats)  # 0 if idle
             stage_ring = stash.put(stage_ring, stage_leaves, put_at)
 
             # The last stage turns its output into the loss and the loss gradient at once.
@@ -187,24 +232,23 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                 d_top, dy = vjp(jnp.ones_like(value) * scale)
                 return aux, d_top, dy
             if branchless and n_mtp:  # MoE blocks in the MTP modules: no branch (see above)
-                use = (on_f & last).astype(jnp.float32)
+                use = (on_f & leave).astype(jnp.float32)
                 (nll, mtp), d_top_head, dy_BSD = jax.tree.map(
                     lambda a: jnp.where(use > 0, a, 0.0), loss_and_grad(use))
             else:
                 (nll, mtp), d_top_head, dy_BSD = lax.cond(
-                    on_f & last, loss_and_grad,
+                    on_f & leave, loss_and_grad,
                     lambda: _zeros(jax.eval_shape(loss_and_grad), typed))
             mtp_acc = jax.tree.map(jnp.add, mtp_acc, mtp)
 
-            # Backward slot: microbatch t - 2(S-1) + s, its output gradient from stage s+1 (on
-            # the last stage: the one just computed), its residuals from the ring.
-            mb = t - 2 * (S - 1) + s
-            on_b = (mb >= 0) & (mb < M)
-            take_at = jnp.clip(mb, 0, M - 1) % K
-            g_BSD = jnp.where(last, dy_BSD, bwd_BSD)
+            # The backward unit: its output gradient from the next stage (leaving the pipeline:
+            # the one just computed), its residuals from the ring.
+            on_b, rb, take_at = plan.on_b, plan.rb, plan.take_at
+            g_BSD = jnp.where(last & (rb == R - 1), dy_BSD, bwd_BSD)
 
             def stage_grad():
-                return stage_res.backward(stash.take(stage_ring, take_at), (g_BSD, stats_ct))
+                return stage_res.at(rb).backward(stash.take(stage_ring, take_at),
+                                                 (g_BSD, stats_ct))
             if branchless:  # an idle slot's residuals may be a filler's, or zeros: drop them
                 d_vars, dx_BSD = jax.tree.map(lambda d: jnp.where(on_b, d, 0), stage_grad())
             else:
@@ -213,7 +257,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
 
             def embed_grad():
                 return embed_res.backward(stash.take(embed_ring, take_at), dx_BSD)[0]
-            d_front = lax.cond(on_b & first, embed_grad,
+            d_front = lax.cond(on_b & first & (rb == 0), embed_grad,
                                lambda: _zeros(jax.eval_shape(embed_grad), typed))
 
             d_stage, d_top = acc
@@ -222,10 +266,13 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                 d_top = {**d_top, **jax.tree.map(jnp.add, front(d_top), d_front)}
             else:
                 d_top = {**d_top, "embedding": d_top["embedding"] + d_front}
-            new_stage = {"params": jax.tree.map(jnp.add, d_stage["params"], d_vars["params"])}
+            d_chunk = index(d_stage, rb)
+            new_chunk = {"params": jax.tree.map(jnp.add, d_chunk["params"], d_vars["params"])}
             if has_meta:  # amax observations combine by maximum, gradients add
-                new_stage[fp8.META_COLLECTION] = fp8.combine(d_stage[fp8.META_COLLECTION],
+                new_chunk[fp8.META_COLLECTION] = fp8.combine(d_chunk[fp8.META_COLLECTION],
                                                              d_vars[fp8.META_COLLECTION])
+            new_stage = jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, rb, 0),
+                                     d_stage, new_chunk)
             if jax.default_backend() == "cpu":
                 # The transfers start after everything else in the tick (stage 0's embedding
                 # backward is its last collective; one output of its lax.cond stands for all
@@ -233,19 +280,22 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                 # the program's order there, and the tie would only delay the forward send.
                 front_done = jnp.ravel(jax.tree.leaves(d_front)[0])[0]
                 y_BSD, dx_BSD = _after(y_BSD, dx_BSD, front_done), _after(dx_BSD, front_done)
-            carry = (lax.ppermute(y_BSD, STAGE, [(i, i + 1) for i in range(S - 1)]),
-                     lax.ppermute(dx_BSD, STAGE, [(i + 1, i) for i in range(S - 1)]),
+            carry = (lax.ppermute(y_BSD, STAGE, [(i, (i + 1) % S) for i in wrap]),
+                     lax.ppermute(dx_BSD, STAGE, [((i + 1) % S, i) for i in wrap]),
                      stage_ring, embed_ring, (new_stage, d_top), loss + nll, stats_acc, mtp_acc)
             return carry, None
 
         init = (zero_x, zero_x, _zeros(stash.ring_shapes(stage_res.stash_shapes, K), typed),
                 _zeros(stash.ring_shapes(embed_res.stash_shapes, K), typed),
                 _zeros(grad_shapes, typed), _zeros(jax.ShapeDtypeStruct((), jnp.float32), typed),
-                _zeros(out_shapes[1], typed),
+                _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((R, *a.shape), a.dtype),
+                                    out_shapes[1]), typed),
                 _zeros(jax.eval_shape(lambda: head(top, zero_x, 0)[1][1]), typed))
         # Unrolled with the layer scan (`Transformer.scan_unroll`: FLOPs counted per tick).
         (_, _, _, _, (d_stage, d_top), loss, stats, mtp), _ = lax.scan(
             tick, init, jnp.arange(T), unroll=model.scan_unroll)
+        d_stage = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]),  # -> [L/S, ...]
+                               interleave(d_stage, S, R, inverse=True))
         loss = lax.psum(loss, STAGE)
         mtp = lax.psum(mtp, STAGE) if mtp else mtp  # the last stage's sums
         objective = loss
@@ -260,9 +310,11 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
     chunk_specs = stage_specs(chunks)
     values, d_stack, d_top = jax.shard_map(
         body, in_specs=(chunk_specs, P(), P(), P(), P()),
-        out_specs=((P(), P(), P(), P(STAGE) if moe else None, P()), chunk_specs, P()),
+        out_specs=((P(), P(), P(), P(None, STAGE) if moe else None, P()), chunk_specs, P()),
         axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count, inv_mtp)
     objective, nll, balance, load_LE, mtp = values
+    if moe:  # [R, S*Lc, E], whose row-major order is the layer order
+        load_LE = load_LE.reshape(-1, load_LE.shape[-1])
     grads = {**d_top, pipe.stack: d_stack["params"]}
     meta_grads = {pipe.stack: d_stack[fp8.META_COLLECTION]} if has_meta else {}
     return (objective, (nll, balance, load_LE, mtp)), grads, meta_grads

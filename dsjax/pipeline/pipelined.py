@@ -2,7 +2,7 @@
 
 The one idea: it exposes the same `loss_and_aux(params, batch, fp8_meta)` as
 `dsjax.model.loss.ModelLoss`, so the train step never asks whether the model is pipelined; the
-schedule (gpipe, circular or 1f1b) is chosen here. See docs/pipeline.md.
+schedule (gpipe, circular, 1f1b or interleaved_1f1b) is chosen here. See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import PipelineConfig
+from dsjax.config.sections import HAND_BACKWARD_SCHEDULES
 from dsjax.errors import ConfigError
 from dsjax.model.decoder import Transformer, mtp_weights
 from dsjax.model.loss import BATCH_KEYS
@@ -50,7 +51,7 @@ class Pipelined(StagedModel):
         mtp_count = jnp.sum(mtp_weights(batch["weights"], self.model.cfg.num_mtp_layers),
                             axis=(1, 2))
         micro = _microbatches(batch, self.microbatches)
-        if self.schedule == "1f1b":
+        if self.schedule in HAND_BACKWARD_SCHEDULES:
             nll, aux = one_f_one_b_loss(self, params, fp8_meta or {}, micro, count, mtp_count)
             return nll, count, aux
         total, balance, load_LE, mtp = forward_pipeline(self, params, fp8_meta or {}, micro)

@@ -1,8 +1,8 @@
 """What every pipeline schedule shares: the model seen as stages, the schedules' tick arithmetic,
 and the pieces each stage runs (its params, the embedding, the head, the MTP modules).
 
-The one idea: the decoder's layer stack is cut into contiguous chunks, one (or, circular, R) per
-stage, each run by the decoder's own `run_layers`; the embedding, the head and the MTP modules
+The one idea: the decoder's layer stack is cut into contiguous chunks, one (or, interleaved, R)
+per stage, each run by the decoder's own `run_layers`; the embedding, the head and the MTP modules
 are replicated over the stages. See docs/pipeline.md.
 """
 
@@ -13,9 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8, sharding
+from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, chunks_per_stage
 from dsjax.model.decoder import Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
 from dsjax.model import loss
@@ -27,22 +30,23 @@ MTP_KEYS = ("mtp_enorm", "mtp_hnorm", "mtp_norm", "mtp_eh_proj", "mtp_layers")
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1,
                     moe: bool = False) -> float:
-    """The analytic idle share of a stage's time (0 without pipelining). `moe`: 1f1b cannot skip
-    idle ticks of MoE stages (see `one_f_one_b._one_f_one_b`), so they cost 2(S-1) ticks, not
-    S-1."""
-    S, M = stages, microbatches
-    if schedule == "1f1b" and moe:
-        return 2 * (S - 1) / (M + 2 * (S - 1))
-    R = repeats if schedule == "circular" else 1
+    """The analytic idle share of a stage's time (0 without pipelining), R = the chunks per stage:
+    (S-1) / (R*M + S-1). `moe`: the hand-backward schedules cannot skip idle ticks of MoE stages
+    (see `one_f_one_b._one_f_one_b`), so every tick past the R*M busy ones counts."""
+    S, M, R = stages, microbatches, chunks_per_stage(schedule, repeats)
+    if schedule in HAND_BACKWARD_SCHEDULES and moe:
+        T = ticks(schedule, S, M, repeats)
+        return (T - R * M) / T
     return (S - 1) / (R * M + S - 1)
 
 
 def ticks(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> int:
-    """Clock ticks (iterations of the schedule's scan)."""
-    S, M = stages, microbatches
-    if schedule == "1f1b":
-        return M + 2 * (S - 1)
-    return (repeats if schedule == "circular" else 1) * M + S - 1
+    """Clock ticks (iterations of the schedule's scan). A hand-backward schedule's last backward
+    leaves stage 0 (R+1)*S - 2 ticks after its R*M forward units have started there."""
+    S, M, R = stages, microbatches, chunks_per_stage(schedule, repeats)
+    if schedule in HAND_BACKWARD_SCHEDULES:
+        return R * M + (R + 1) * S - 2
+    return R * M + S - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +63,12 @@ class StagedModel:
 
     @property
     def chunks(self) -> int:
-        return self.stages * (self.repeats if self.schedule == "circular" else 1)
+        return self.stages * self.per_stage
+
+    @property
+    def per_stage(self) -> int:
+        """Layer chunks each stage runs (R): `repeats` if the schedule interleaves, else 1."""
+        return chunks_per_stage(self.schedule, self.repeats)
 
     @property
     def prefix(self) -> int:
@@ -134,6 +143,46 @@ def run_chunk(chunk_model: Transformer, variables: Any, x_BSD: jax.Array, positi
 def stage_specs(tree: Any) -> Any:
     """The layer stack's leading axis over the stages: stage s holds layers [s*L/S, (s+1)*L/S)."""
     return jax.tree.map(lambda _: P(STAGE), tree)
+
+
+def interleave_tables(S: int, R: int, inverse: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Index tables that move chunk c = s*R + j (stage s's j-th contiguous chunk) to stage
+    c % S, slot c // S (`inverse`: back). send[s, d, p]: the local chunk stage s sends to stage d
+    in slot p (R: padding); recv[d, r]: (source stage, slot) of stage d's r-th chunk."""
+    P_ = -(-R // S)  # slots per (source, destination) pair
+    send = np.full((S, S, P_), R, np.int32)
+    recv = np.zeros((S, R, 2), np.int32)
+    used = np.zeros((S, S), np.int32)
+    for c in range(R * S):
+        contiguous, circular = divmod(c, R), (c % S, c // S)
+        (src, j), (dst, r) = (circular, contiguous) if inverse else (contiguous, circular)
+        send[src, dst, used[src, dst]] = j
+        recv[dst, r] = (src, used[src, dst])
+        used[src, dst] += 1
+    return send, recv
+
+
+def interleave(local: Any, S: int, R: int, inverse: bool = False) -> Any:
+    """This stage's contiguous chunks [R, Lc, ...] (chunk s*R + j at j) -> its circular chunks
+    (chunk r*S + s at r), with one all_to_all over `pipeline`; `inverse`: back. Checkpoints keep
+    the natural layer order; the weights move here every step, and their gradients back."""
+    if R == 1:
+        return local
+    send, recv = interleave_tables(S, R, inverse)
+    s = lax.axis_index(STAGE)
+    send_row, recv_row = jnp.asarray(send)[s], jnp.asarray(recv)[s]
+
+    def move(a):
+        padded = jnp.concatenate([a, jnp.zeros_like(a[:1])])  # index R is padding
+        got = lax.all_to_all(padded[send_row], STAGE, 0, 0, tiled=True)  # [S, P, Lc, ...]
+        return got[recv_row[:, 0], recv_row[:, 1]]
+
+    return jax.tree.map(move, local)
+
+
+def index(tree: Any, i: jax.Array) -> Any:
+    """Entry i of every leaf's leading axis."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
 def stage0_input(pipe: StagedModel, top: Any, tokens_BS: jax.Array, positions_BS: jax.Array,

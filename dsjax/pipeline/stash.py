@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 # Dead-code elimination of a jaxpr: which inputs an output needs, through scans and conds. The
@@ -55,6 +56,11 @@ class Residuals:
                                  f"planned {len(self.avals)}): (leaf, now, planned) {diff}")
         return out, [x for x, s in zip(leaves, self.stashed) if s]
 
+    def at(self, i: jax.Array) -> "Residuals":
+        """Chunk i's plan, of one `stack`ed from several chunks' (the shared leaves differ)."""
+        return dataclasses.replace(self, shared=tuple(
+            lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in self.shared))
+
     def backward(self, stashed: list, cotangent: Any) -> Any:
         """The (consts, inputs) cotangents of the microbatch whose `forward` stashed `stashed`."""
         stashed_it, shared_it = iter(stashed), iter(self.shared)
@@ -89,6 +95,18 @@ def plan(fn: StageFn, consts: Any, inputs: Any, aux: Any) -> Residuals:
         *[a for a, u in zip(args, used) if u])
     return Residuals(treedef[0], tuple(stashed), tuple(shared),
                      tuple(_aval(v.aval) for v in jaxpr.outvars))
+
+
+def stack(plans: list[Residuals]) -> Residuals:
+    """The plans of one function on several chunks of layers (each its own params), as one whose
+    shared leaves are stacked [chunks, ...]: pick a chunk's with `Residuals.at`. The stashed
+    leaves are the same for every chunk, so one ring holds them all."""
+    first = plans[0]
+    for i, p in enumerate(plans[1:], 1):
+        if (p.stashed, p.avals) != (first.stashed, first.avals):  # same function, same shapes
+            raise AssertionError(f"chunk {i}'s residuals differ from chunk 0's")
+    return dataclasses.replace(first, shared=tuple(
+        jnp.stack(leaves) for leaves in zip(*(p.shared for p in plans))))
 
 
 def ring_shapes(shapes: list[jax.ShapeDtypeStruct], slots: int) -> list[jax.ShapeDtypeStruct]:
