@@ -10,9 +10,11 @@ adds the same to every row) for every schedule and microbatch count, and reads
 `memory_analysis().temp_size_in_bytes` and the collective-permute instructions of the compiled
 HLO (static count: one in a loop body counts once), and the FLOPs of the same program compiled
 with its scans unrolled. Static FLOPs count idle ticks as work, so the table also gives the
-FLOPs one more microbatch adds (from a second unrolled compile at M + S microbatches of the
-same size), and that over gpipe's at the same microbatch count and remat policy: a schedule
-that recomputes shows above 1 (docs/pipeline.md, "Measurements"). `--rows_per_microbatch N`
+FLOPs one more microbatch adds (GFLOP/mb, from a second unrolled compile at M + S microbatches
+of the same size); for the 1F1B schedules, less the head, which their static count has on every
+stage's every tick but which runs once per microbatch on the last stage (run/mb); and that over
+gpipe's at the same microbatch count and remat policy: a schedule that recomputes shows above 1
+(docs/pipeline.md, "Measurements"). `--rows_per_microbatch N`
 fixes the microbatch size (global batch = M * N) to show how memory grows with M; by default
 the global batch stays the config's. Bubble is the schedule's analytic idle share
 (dsjax/pipeline/). The interleaved schedules' chunks per stage (`--repeats`) default to the
@@ -20,9 +22,9 @@ config's `pipeline.repeats` when above 1, else the smallest R >= 2 that splits t
 evenly. A row whose config does not validate (layers that do not split into stages x repeats, a
 microbatch count the batch does not divide) is kept with the reason instead of figures.
 Prints a table; writes {"config": str, "rows": [{"schedule", "microbatches", "repeats",
-"temp_bytes", "collective_permutes", "bubble", "flops", "flops_per_microbatch",
-"flops_vs_gpipe", ...} or {"schedule", "microbatches", "repeats", "global_batch",
-"skipped": reason}]}.
+"temp_bytes", "collective_permutes", "bubble", "flops", "flops_per_microbatch", "head_flops",
+"executed_flops_per_microbatch", "flops_vs_gpipe", ...} or {"schedule", "microbatches",
+"repeats", "global_batch", "skipped": reason}]}.
 """
 
 import argparse
@@ -36,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
 from dsjax import config as config_lib  # noqa: E402
-from dsjax.config.sections import (INTERLEAVED_SCHEDULES, PIPELINE_SCHEDULES,  # noqa: E402
-                                   chunks_per_stage)
+from dsjax.config.sections import (HAND_BACKWARD_SCHEDULES, INTERLEAVED_SCHEDULES,  # noqa
+                                   PIPELINE_SCHEDULES, chunks_per_stage)
 from dsjax.errors import ConfigError  # noqa: E402
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
@@ -67,6 +69,35 @@ def interleaved_repeats(cfg, schedule: str, microbatches: int,
         except ConfigError:
             continue
     return 2
+
+
+def head_flops(cfg, pipe) -> float:
+    """Per-device FLOPs of the output head's (and MTP modules') loss and gradient on one
+    microbatch, compiled under the step's mesh and shardings: work the static count of a
+    hand-backward schedule puts on every stage's every tick, and which runs once per microbatch,
+    on the last stage."""
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+    from dsjax import sharding, train  # pylint: disable=g-import-not-at-top
+    from dsjax.metrics.flops import compiled_flops  # pylint: disable=g-import-not-at-top
+    from dsjax.pipeline import stages  # pylint: disable=g-import-not-at-top
+
+    rows = cfg.data.global_batch // cfg.pipeline.microbatches
+    trainer = train.build_trainer(dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, global_batch=rows)))
+    top = {k: v for k, v in trainer.abstract_state().params.items() if k != pipe.stack}
+    y = jax.ShapeDtypeStruct((rows, cfg.data.seq_len, cfg.model.hidden_size), pipe.model.dtype,
+                             sharding=NamedSharding(trainer.mesh, PartitionSpec("data")))
+
+    def head(top, y, mb):  # the terms of `one_f_one_b`'s head, summed
+        mtp = stages.mtp_terms(pipe, top, y, mb)
+        return (stages.head_nll(pipe.model, top, y, mb["targets"], mb["weights"])
+                + sum(jnp.sum(mtp[k]) for k in ("nll", "balance") if k in mtp))
+
+    fn = jax.jit(jax.grad(head, argnums=(0, 1)))
+    with sharding.activate(trainer.mesh, trainer.rules):
+        return compiled_flops(fn.lower(top, y, trainer.abstract_batch()).compile())
 
 
 def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
@@ -112,11 +143,16 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     more = _with(cfg, schedule, microbatches + S, repeats, batch // microbatches * (
         microbatches + S))
     per_microbatch = (unrolled_flops(more) - flops) / S
+    # The static count has the head on each of a microbatch's R ticks on every stage; it runs
+    # once, on the last stage: 1/S per device.
+    head = (head_flops(cfg, state.objective) if schedule in HAND_BACKWARD_SCHEDULES else 0.0)
+    executed = per_microbatch - (repeats - 1 / S) * head
     hlo = compiled.as_text()
     return {"schedule": schedule, "microbatches": microbatches, "repeats": repeats,
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
             "collective_permutes": len(_PERMUTE.findall(hlo)),
-            "flops": flops, "flops_per_microbatch": per_microbatch,
+            "flops": flops, "flops_per_microbatch": per_microbatch, "head_flops": head,
+            "executed_flops_per_microbatch": executed,
             "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
                                                repeats, moe=cfg.model.n_routed_experts > 0),
             "global_batch": batch,
@@ -168,8 +204,8 @@ def main(argv=None) -> dict:
         base = [r for r in rows if r["schedule"] == "gpipe" and "flops" in r
                 and r["microbatches"] == row["microbatches"]]
         if "flops" in row:
-            row["flops_vs_gpipe"] = (row["flops_per_microbatch"] / base[0]["flops_per_microbatch"]
-                                     if base else None)
+            row["flops_vs_gpipe"] = (row["executed_flops_per_microbatch"]
+                                     / base[0]["executed_flops_per_microbatch"] if base else None)
     import jax  # pylint: disable=g-import-not-at-top
     mesh = {"data": cfg.mesh.data, "tensor": cfg.mesh.tensor, "pipeline": cfg.mesh.pipeline}
     name = " ".join([args.config] + [f"--set {item}" for item in args.set])
@@ -183,7 +219,7 @@ def main(argv=None) -> dict:
           f"{result['backend']}")
     header = (f"{'schedule':<16} {'micro':>5} {'repeats':>7} {'batch':>5} {'ticks':>5} "
               f"{'temp MiB':>9} {'permutes':>8} {'bubble':>7} {'GFLOP':>8} {'GFLOP/mb':>8} "
-              f"{'vs gpipe':>8}")
+              f"{'run/mb':>8} {'vs gpipe':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -195,7 +231,8 @@ def main(argv=None) -> dict:
             ratio = "-" if r["flops_vs_gpipe"] is None else f"{r['flops_vs_gpipe']:.3f}"
             print(f"{head} {r['ticks']:>5} {r['temp_bytes'] / 2**20:>9.2f} "
                   f"{r['collective_permutes']:>8} {r['bubble']:>7.3f} {r['flops'] / 1e9:>8.3f} "
-                  f"{r['flops_per_microbatch'] / 1e9:>8.3f} {ratio:>8}")
+                  f"{r['flops_per_microbatch'] / 1e9:>8.3f} "
+                  f"{r['executed_flops_per_microbatch'] / 1e9:>8.3f} {ratio:>8}")
     report.write_json(args.out, result)
     return result
 

@@ -221,9 +221,13 @@ def test_documented_command(name, tmp_path):
         assert set(by_schedule) == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
         assert by_schedule["circular"]["repeats"] == 2  # 4 layers = 2 stages x 2 chunks
         assert by_schedule["interleaved_1f1b"]["repeats"] == 2
-        # Neither 1F1B recomputes: a microbatch costs what gpipe's does (measured 1.000)
+        # Neither 1F1B recomputes: a microbatch runs the FLOPs gpipe's does (measured 1.002 and
+        # 1.013); a stage forward run twice adds about a third of the stage's work.
         for schedule in ("1f1b", "interleaved_1f1b"):
             assert abs(by_schedule[schedule]["flops_vs_gpipe"] - 1) < 0.02, by_schedule
+            # the static count's extra: the head on every stage's every tick
+            assert by_schedule[schedule]["flops_per_microbatch"] > by_schedule[schedule][
+                "executed_flops_per_microbatch"] > 0
         assert all(r["temp_bytes"] > 0 for r in result["rows"])
     elif name == "pipeline_table_flags":
         by_schedule = {r["schedule"]: r for r in result["rows"]}

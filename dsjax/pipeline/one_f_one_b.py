@@ -108,9 +108,10 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
                  count: jax.Array, mtp_count: jax.Array) -> tuple[Any, Any, Any]:
     """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense; MTP sums,
     `mtp_terms`)), the objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B
-    schedule, interleaved over R = `pipe.per_stage` layer chunks per stage. The objective is the mean NLL plus, for MoE models, alpha x the balance terms
-    summed over layers and averaged over microbatches, plus mtp_loss_weight x the mean of the
-    MTP modules' losses (`Pipelined.loss_and_aux`). `mtp_count`: each module's weight sum [n]."""
+    schedule, interleaved over R = `pipe.per_stage` layer chunks per stage. The objective is the
+    mean NLL plus, for MoE models, alpha x the balance terms summed over layers and averaged
+    over microbatches, plus mtp_loss_weight x the mean of the MTP modules' losses
+    (`Pipelined.loss_and_aux`). `mtp_count`: each module's weight sum [n]."""
     S, M, R = pipe.stages, pipe.microbatches, pipe.per_stage
     T, K = ticks(pipe.schedule, S, M, R), stash_slots(S, R)
     # A lap of the ring ends on the last stage; interleaved, it continues on stage 0.
