@@ -567,10 +567,12 @@ def test_moe_pipeline_limits_name_the_field(overrides, field):
     assert str(err.value).startswith(field + ":"), str(err.value)
 
 
-@pytest.mark.parametrize("schedule, repeats", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_hand_backward_step_has_each_fp8_dot_once(schedule, repeats):
-    """h100_fp8:smoke's step with 4 layers, remat none: each stage chunk's forward runs once and
-    its backward from the stash, so the StableHLO holds exactly the precision policy's dots. By
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1),
+                                              ("interleaved_1f1b", 2)])
+def test_every_schedule_step_has_each_fp8_dot_once(schedule, repeats):
+    """h100_fp8:smoke's step with 4 layers, remat none: each stage chunk's forward runs once (the
+    1F1B schedules: its backward from the stash), so the StableHLO holds exactly the precision
+    policy's dots, as unpipelined. By
     hand: one scanned body of 7 fp8 projections x 3 GEMMs = 21 fp8 dots, and the attention
     core's 6 and the chunked head's 4 high-precision ones. A stage forward recomputed in the
     backward adds 7 fp8 dots; an interleaved chunk traced apart from the others, 21."""
