@@ -101,9 +101,10 @@ def head_flops(cfg, pipe) -> float:
 
 
 def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
-            rows_per_microbatch: int = 0) -> dict:
+            rows_per_microbatch: int = 0, flops: bool = True) -> dict:
     """One row: compile loss + gradient of `cfg` under `schedule` on all devices; a config that
-    does not validate gives a row with the reason ("skipped") instead."""
+    does not validate gives a row with the reason ("skipped") instead. `flops=False`: memory
+    and transfers only (the FLOPs take three more compiles)."""
     import jax  # pylint: disable=g-import-not-at-top
     from dsjax import pipeline, sharding, train  # pylint: disable=g-import-not-at-top
     from dsjax.metrics.flops import compiled_flops  # pylint: disable=g-import-not-at-top
@@ -136,6 +137,17 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
         t0 = time.perf_counter()
         compiled = grad_fn.lower(state.params, trainer.abstract_batch()).compile()
         compile_s = time.perf_counter() - t0  # the program the step runs, not the unrolled one
+    hlo = compiled.as_text()
+    row = {"schedule": schedule, "microbatches": microbatches, "repeats": repeats,
+           "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+           "collective_permutes": len(_PERMUTE.findall(hlo)),
+           "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
+                                              repeats, moe=cfg.model.n_routed_experts > 0),
+           "global_batch": batch,
+           "ticks": pipeline.ticks(schedule, cfg.mesh.pipeline, microbatches, repeats),
+           "compile_s": compile_s}
+    if not flops:
+        return row
     flops = unrolled_flops(cfg)
     # S more microbatches of the same size (the smallest step that splits): what a microbatch
     # adds, without the idle ticks and the per-step work that static FLOPs also count.
@@ -147,17 +159,8 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     # once, on the last stage: 1/S per device.
     head = (head_flops(cfg, state.objective) if schedule in HAND_BACKWARD_SCHEDULES else 0.0)
     executed = per_microbatch - (repeats - 1 / S) * head
-    hlo = compiled.as_text()
-    return {"schedule": schedule, "microbatches": microbatches, "repeats": repeats,
-            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "collective_permutes": len(_PERMUTE.findall(hlo)),
-            "flops": flops, "flops_per_microbatch": per_microbatch, "head_flops": head,
-            "executed_flops_per_microbatch": executed,
-            "bubble": pipeline.bubble_fraction(schedule, cfg.mesh.pipeline, microbatches,
-                                               repeats, moe=cfg.model.n_routed_experts > 0),
-            "global_batch": batch,
-            "ticks": pipeline.ticks(schedule, cfg.mesh.pipeline, microbatches, repeats),
-            "compile_s": compile_s}
+    return {**row, "flops": flops, "flops_per_microbatch": per_microbatch, "head_flops": head,
+            "executed_flops_per_microbatch": executed}
 
 
 def main(argv=None) -> dict:

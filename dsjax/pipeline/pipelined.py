@@ -38,10 +38,10 @@ class Pipelined(StagedModel):
         model's terms are the unpipelined model's for the whole batch: "aux_loss" = alpha x the
         balance loss summed over layers (each layer's mean over rows: the mean over microbatches
         of their row means) and "moe_load" [L, E] (assignment counts summed over microbatches).
-        gpipe/circular: `jax.grad` differentiates each term. 1f1b differentiates the training
-        objective NLL + aux_loss as one inside its schedule: the returned NLL carries that whole
-        gradient and aux_loss none, so any function of their sum (the training objective) has
-        the exact gradient, but not the NLL alone."""
+        gpipe/circular: `jax.grad` differentiates each term. The 1F1B schedules differentiate
+        the training objective NLL + aux_loss as one inside the schedule: the returned NLL
+        carries that whole gradient and aux_loss none, so any function of their sum (the
+        training objective) has the exact gradient, but not the NLL alone."""
         rows = batch["inputs"].shape[0]
         if rows % self.microbatches:  # e.g. a dynamic batch size (dsjax/batching/) off the grid
             raise ConfigError(f"pipeline.microbatches: a batch of {rows} rows does not split "
