@@ -56,6 +56,7 @@ def _loss_and_grads(apply_fn, params, batch):
     ("1f1b", (2, 2, 2), 2, 1, 4, True, 0),
     ("1f1b", (2, 2, 2), 2, 1, 4, False, 0),
     ("1f1b", (2, 2, 2), 4, 1, 4, True, 0),
+    ("1f1b", (2, 1, 4), 4, 1, 4, True, 0),
     pytest.param("1f1b", (1, 1, 8), 8, 1, 8, True, 0, marks=pytest.mark.slow),
     # Interleaved 1F1B: 2 or 3 chunks per stage, units of one microbatch group per chunk.
     ("interleaved_1f1b", (2, 2, 2), 2, 2, 4, True, 0),
