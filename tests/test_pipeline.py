@@ -345,6 +345,17 @@ def test_invalid_splits_name_the_field(overrides, field):
     assert str(err.value).startswith(field + ":"), str(err.value)
 
 
+def test_split_errors_say_which_values_would_split():
+    base = {"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2, "pipeline.microbatches": 2,
+            "data.global_batch": 8}
+    with pytest.raises(ConfigError, match=r"use a multiple of 2, e\.g\. 4$"):
+        _cfg(**{**base, "batch.micro_batch": 3})
+    # interleaved_1f1b R = 2 on 4 layers: chunks of 1 layer, so every_2 differs between them
+    with pytest.raises(ConfigError, match="chunks of 1 layers; use a period that divides 1"):
+        _cfg(**{**base, "pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
+                "remat.policy": "full", "remat.layers": "every_2"})
+
+
 @pytest.mark.slow
 def test_checkpoint_written_with_pp2_evaluates_with_pp1(tmp_path):
     workdir = str(tmp_path / "pp2")

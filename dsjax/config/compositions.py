@@ -9,7 +9,8 @@ on each section being well-formed (e.g. the layers split into pipeline chunks).
 from __future__ import annotations
 
 from dsjax import remat
-from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, INTERLEAVED_SCHEDULES, Config
+from dsjax.config.sections import (HAND_BACKWARD_SCHEDULES, INTERLEAVED_SCHEDULES, Config,
+                                   chunks_per_stage)
 from dsjax.errors import ConfigError
 
 
@@ -85,10 +86,11 @@ def compositions(cfg: Config) -> None:
     # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline/).
     k = m.first_k_dense_replace if m.is_moe else 0
     # Every stage runs one program, so every chunk of layers must make the same choices.
-    chunk = (m.num_layers - k) // (S * p.repeats)
+    chunks = S * chunks_per_stage(p.schedule, p.repeats)
+    chunk = (m.num_layers - k) // chunks
     if cfg.remat.policy != "auto":
         per_layer = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, m.num_layers)[k:]
-        if per_layer != per_layer[:chunk] * (S * p.repeats):
+        if per_layer != per_layer[:chunk] * chunks:
             raise ConfigError(f"remat.layers: the per-layer pattern {cfg.remat.layers!r} differs "
                               f"between pipeline chunks of {chunk} layers; use a period that "
                               f"divides {chunk}")

@@ -224,8 +224,10 @@ def validate_pipeline(cfg: Config) -> None:
                           f"mesh.data x pipeline.microbatches = {cfg.mesh.data} x "
                           f"{p.microbatches}")
     if cfg.batch.micro_batch % p.microbatches:
+        near = -(-cfg.batch.micro_batch // p.microbatches) * p.microbatches
         raise ConfigError(f"batch.micro_batch: {cfg.batch.micro_batch} rows per replica do not "
-                          f"split into pipeline.microbatches {p.microbatches}")
+                          f"split into pipeline.microbatches {p.microbatches}; use a multiple "
+                          f"of {p.microbatches}, e.g. {near}")
 
 
 def validate_batch(cfg: Config) -> None:
