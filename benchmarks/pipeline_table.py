@@ -122,10 +122,9 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
     state = trainer.abstract_state()
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, state.objective, b)[0]))
 
-    def unrolled_flops(cfg) -> float:
+    def unrolled_flops(trainer) -> float:
         """FLOPs of the program compiled with every scan unrolled (the ticks and the layer
         stack): `cost_analysis` counts a loop body once."""
-        trainer = train.build_trainer(cfg)
         state = trainer.abstract_state()
         unrolled = dataclasses.replace(state.objective,
                                        model=state.objective.model.clone(scan_unroll=True))
@@ -148,13 +147,13 @@ def measure(cfg, schedule: str, microbatches: int, repeats: int = 1,
            "compile_s": compile_s}
     if not flops:
         return row
-    flops = unrolled_flops(cfg)
+    flops = unrolled_flops(trainer)
     # S more microbatches of the same size (the smallest step that splits): what a microbatch
     # adds, without the idle ticks and the per-step work that static FLOPs also count.
     S = cfg.mesh.pipeline
     more = _with(cfg, schedule, microbatches + S, repeats, batch // microbatches * (
         microbatches + S))
-    per_microbatch = (unrolled_flops(more) - flops) / S
+    per_microbatch = (unrolled_flops(train.build_trainer(more)) - flops) / S
     # The static count has the head on each of a microbatch's R ticks on every stage; it runs
     # once, on the last stage: 1/S per device.
     head = (head_flops(cfg, state.objective) if schedule in HAND_BACKWARD_SCHEDULES else 0.0)
