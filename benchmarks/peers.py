@@ -1,8 +1,10 @@
-"""dsjax against Hugging Face `transformers` + PyTorch: one tiny DeepSeek-architecture model
-trained on CPU by each for the same steps, batch and sequence length, in tokens/s.
+"""dsjax against Hugging Face `transformers` + PyTorch, and with `--maxtext` against MaxText:
+one tiny DeepSeek-architecture model trained on CPU by each for the same steps, batch and
+sequence length, in tokens/s.
 
-  python benchmarks/peers.py --config configs/cpu_tiny.py --steps 30 \
+  python benchmarks/peers.py --config configs/cpu_tiny.py --steps 30 --maxtext \
       --out benchmarks/results/peers_cpu.json
+  python benchmarks/peers.py --config configs/cpu_tiny.py --steps 30 --out /tmp/peers.json
 
 The model is the config's (DeepSeek-LLM is the Llama architecture: RMSNorm, RoPE, SwiGLU,
 grouped-query attention, untied head), built on the PyTorch side as `LlamaForCausalLM` from the
@@ -14,14 +16,19 @@ no document ids, so dsjax is given none either). PyTorch runs eager (no torch.co
 
 dsjax runs twice: on a one-device mesh (1, 1, 1), like for like with one PyTorch process using
 every core, and on the config's own mesh of simulated CPU devices (cpu_tiny: 2 x 2 x 2 = 8, sharing
-the same cores, so it pays for the collectives without gaining any hardware). After warmup steps
-(compilation; PyTorch's first steps allocate), the three alternate rounds of `--round` steps,
-so machine drift hits all of them; tokens/s is the median over rounds.
+the same cores, so it pays for the collectives without gaining any hardware). Each trainer runs in
+a process of its own (`--worker`), so it has only its own devices and threads: the one-device
+step is 15% slower in a process that also simulates 8 devices. After warmup steps (compilation;
+PyTorch's first steps allocate), the processes alternate rounds of `--round` steps, so machine
+drift hits all of them; tokens/s is the median over rounds.
 Prints a table; writes {"dsjax_tokens_per_sec" (one-device mesh), "dsjax_mesh_tokens_per_sec",
 "transformers_tokens_per_sec", "ratio" (dsjax one-device / transformers), "ratio_mesh",
-"model", "final_loss" and "loss_history" (every step's loss, warmup included) per trainer,
+"maxtext_tokens_per_sec", "ratio_maxtext" (dsjax one-device / MaxText), "model",
+"startup_s", "final_loss" and "loss_history" (every step's loss, warmup included) per trainer,
 "load_before", "load_after", "cores", "contended" (benchmarks/report.py), ...}; a contended run
 prints a warning after the table: PyTorch's threads lose more than XLA's when the cores are shared.
+MaxText trains on its own synthetic tokens in its own venv and JAX (benchmarks/maxtext_peer.py):
+its speed compares, its loss does not. docs/performance.md has the measured numbers.
 """
 
 import argparse
@@ -33,10 +40,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import maxtext_peer  # noqa: E402  (benchmarks/maxtext_peer.py)
 import report  # noqa: E402  (benchmarks/report.py)
 from compare import DEFAULT_DATA_DIR, host_batches  # noqa: E402  pylint: disable=C0413
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
+
+WORKERS = ("dsjax_one", "dsjax_mesh", "transformers")
+PROTOCOL = "@peers "  # prefix of the lines a worker answers with on stdout
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", choices=("stdlib", "synthetic"), default="stdlib")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--maxtext", action="store_true",
+                        help=f"also MaxText {maxtext_peer.MAXTEXT_VERSION} (installed on first "
+                             f"use into --maxtext-venv; needs Python 3.12)")
+    parser.add_argument("--maxtext-venv", default=maxtext_peer.DEFAULT_VENV)
+    parser.add_argument("--maxtext-python", default=None,
+                        help="Python 3.12 to create the MaxText venv with (default: found)")
+    parser.add_argument("--worker", choices=WORKERS, default=None,
+                        help=argparse.SUPPRESS)  # internal: one trainer, driven over stdin
     args = parser.parse_args(argv)
     if min(args.steps, args.round, args.warmup) < 1:
         parser.error("--steps, --round and --warmup must be >= 1")
@@ -66,11 +85,14 @@ class DsjaxRunner:
         from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
         self.name, self.cfg = name, cfg
+        t0 = time.perf_counter()
         devices = jax.devices()[:cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline]
         self.trainer = build_trainer(cfg, sharding.make_mesh(cfg, devices))
         self.state = self.trainer.init()
         self.batches = [self.trainer.device_batch(b) for b in host]
         self.done, self.rounds, self.losses = 0, [], []
+        self.run(1)
+        self.startup_s = time.perf_counter() - t0  # build, init, compile, first step
 
     def run(self, n: int) -> float:
         import jax  # pylint: disable=import-outside-toplevel
@@ -98,6 +120,7 @@ class TorchRunner:
         from dsjax.convert import hf_config  # pylint: disable=import-outside-toplevel
         from dsjax.optim.factory import make_schedule  # pylint: disable=import-outside-toplevel
 
+        t0 = time.perf_counter()
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.train.seed)
         self.name, self.torch = "transformers", torch
@@ -120,6 +143,8 @@ class TorchRunner:
         self.batches = [(torch.from_numpy(np.asarray(b["inputs"], np.int64)),
                          torch.from_numpy(np.asarray(b["targets"], np.int64))) for b in host]
         self.done, self.rounds, self.losses = 0, [], []
+        self.run(1)
+        self.startup_s = time.perf_counter() - t0  # build, first step
 
     def run(self, n: int) -> float:
         torch = self.torch
@@ -143,8 +168,8 @@ class TorchRunner:
         return dt
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def prepared(args: argparse.Namespace):
+    """(config for `total` steps, its one-device variant, total steps)."""
     cfg = _load(args.config)
     if cfg.optim.name != "adamw" or cfg.train.compute_dtype != "float32":
         sys.exit(f"peers: {args.config} trains with {cfg.optim.name} in "
@@ -153,31 +178,116 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=total))
     one = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=1, tensor=1,
                                                             pipeline=1, fsdp=False))
-    mesh_devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
-    ensure_cpu_devices(mesh_devices)
-    import jax  # pylint: disable=import-outside-toplevel
+    return cfg, one, total
 
+
+def worker_main(args: argparse.Namespace) -> None:
+    """One trainer in this process (with only the devices it needs): builds it, runs its first
+    step, then for each line `n` on stdin runs n steps and answers their seconds and losses."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    cfg, one, total = prepared(args)
+    devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    ensure_cpu_devices(devices if args.worker == "dsjax_mesh" else 1)
+    host = host_batches(cfg.data.seq_len, cfg.data.global_batch, min(total, 32), args.data,
+                        args.data_dir, min(cfg.model.vocab_size, 256), cfg.train.seed,
+                        packed=False)
+    if args.worker == "transformers":
+        runner = TorchRunner(cfg, host, args.threads)
+        info = {"torch": runner.torch.__version__,
+                "transformers": __import__("transformers").__version__}
+    else:
+        import jax  # pylint: disable=import-outside-toplevel
+        mesh = args.worker == "dsjax_mesh"
+        runner = DsjaxRunner(f"dsjax {sharding_shape(cfg)}" if mesh else "dsjax (1,1,1)",
+                             cfg if mesh else one, host)
+        info = {"jax": jax.__version__, "params": runner.trainer.param_count}
+
+    def answer(**fields):
+        print(PROTOCOL + json.dumps(fields), flush=True)
+
+    answer(name=runner.name, startup_s=runner.startup_s, losses=runner.losses, **info)
+    for line in sys.stdin:
+        n = int(line)
+        seconds = runner.run(n)
+        answer(seconds=seconds, losses=runner.losses[-n:])
+
+
+class WorkerRunner:
+    """A `--worker` process of this script, driven round by round like an in-process runner;
+    each trainer then runs with only the devices and threads of its own process."""
+
+    def __init__(self, kind: str, argv: list[str]):
+        import subprocess  # pylint: disable=import-outside-toplevel
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
+                                      "--worker", kind], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        ready = self._answer()
+        self.name, self.startup_s, self.losses = ready["name"], ready["startup_s"], ready["losses"]
+        self.info = {k: v for k, v in ready.items() if k not in ("name", "startup_s", "losses")}
+        self.done, self.rounds = len(self.losses), []
+
+    def _answer(self) -> dict:
+        import json  # pylint: disable=import-outside-toplevel
+        for line in self.proc.stdout:
+            if line.startswith(PROTOCOL):
+                return json.loads(line[len(PROTOCOL):])
+            print(line, end="", file=sys.stderr)
+        raise RuntimeError(f"peers: a worker ({self.proc.args[-1]}) exited with "
+                           f"{self.proc.wait()} (its output is above)")
+
+    def run(self, n: int) -> float:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        reply = self._answer()
+        self.losses += reply["losses"]
+        self.done += n
+        return reply["seconds"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(60)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    cfg, _, total = prepared(args)
+    mesh_devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
     B, S = cfg.data.global_batch, cfg.data.seq_len
+    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
     timing = report.timing_start()
-    host = host_batches(S, B, min(total, 32), args.data, args.data_dir,
-                        min(cfg.model.vocab_size, 256), cfg.train.seed, packed=False)
-    runners = [DsjaxRunner("dsjax (1,1,1)", one, host)]
-    if mesh_devices > 1 and jax.device_count() >= mesh_devices:
-        runners.append(DsjaxRunner(f"dsjax {tuple(sharding_shape(cfg))}", cfg, host))
-    runners.append(TorchRunner(cfg, host, args.threads))
-    for r in runners:
-        r.run(args.warmup)
-    while any(r.done < total for r in runners):
+    runners = []
+    try:
+        for kind in WORKERS:
+            if kind != "dsjax_mesh" or mesh_devices > 1:
+                runners.append(WorkerRunner(kind, passed))
+        if args.maxtext:
+            runners.append(maxtext_peer.MaxTextRunner(cfg, total, args.maxtext_venv,
+                                                      args.maxtext_python))
+        for r in runners:  # each has run its first step
+            if args.warmup > 1:
+                r.run(args.warmup - 1)
+        while any(r.done < total for r in runners):
+            for r in runners:
+                n = min(args.round, total - r.done)
+                if n > 0:
+                    r.rounds.append(r.run(n) / n)
+    finally:
         for r in runners:
-            n = min(args.round, total - r.done)
-            if n > 0:
-                r.rounds.append(r.run(n) / n)
+            r.close()
+    by_kind = dict(zip(WORKERS if mesh_devices > 1 else ("dsjax_one", "transformers"),
+                       runners))
+    dsjax_one, torch_r = by_kind["dsjax_one"], by_kind["transformers"]
+    dsjax_mesh = by_kind.get("dsjax_mesh")
+    maxtext = runners[-1] if args.maxtext else None
     conditions = report.load_record(timing)
 
     tokens = B * S
     rate = {r.name: tokens / statistics.median(r.rounds) for r in runners}
-    dsjax_one, torch_r = runners[0], runners[-1]
-    dsjax_mesh = runners[1] if len(runners) == 3 else None
     m = cfg.model
     result = {
         "dsjax_tokens_per_sec": rate[dsjax_one.name],
@@ -185,28 +295,39 @@ def main(argv=None) -> dict:
         "transformers_tokens_per_sec": rate[torch_r.name],
         "ratio": rate[dsjax_one.name] / rate[torch_r.name],
         "ratio_mesh": rate[dsjax_mesh.name] / rate[torch_r.name] if dsjax_mesh else None,
+        "maxtext_tokens_per_sec": rate[maxtext.name] if maxtext else None,
+        "ratio_maxtext": rate[dsjax_one.name] / rate[maxtext.name] if maxtext else None,
         "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                   "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
                   "head_dim": m.resolved_head_dim, "mlp_dim": m.mlp_dim,
-                  "vocab_size": m.vocab_size, "params": dsjax_one.trainer.param_count},
+                  "vocab_size": m.vocab_size, "params": dsjax_one.info["params"]},
         "config": args.config, "steps": args.steps, "warmup_steps": args.warmup,
         "round_steps": args.round, "global_batch": B, "seq_len": S, "data": args.data,
         "mesh": dict(zip(("data", "tensor", "pipeline"), sharding_shape(cfg))),
         "torch_threads": args.threads, "cpu_count": os.cpu_count(),
         # Other work on the machine slows PyTorch's OpenMP threads more than XLA's pool.
         **conditions,
-        "versions": {"jax": jax.__version__, "torch": torch_r.torch.__version__,
-                     "transformers": __import__("transformers").__version__},
-        "method": "alternating rounds in one process; median tokens/s over rounds",
+        "versions": {"jax": dsjax_one.info["jax"], "torch": torch_r.info["torch"],
+                     "transformers": torch_r.info["transformers"],
+                     **({"maxtext": maxtext_peer.MAXTEXT_VERSION,
+                         "maxtext_jax": maxtext.jax_version} if maxtext else {})},
+        "method": "alternating rounds, each trainer in its own process (MaxText's paused "
+                  "between its rounds); median tokens/s over rounds",
+        "startup_s": {r.name: r.startup_s for r in runners},
         "final_loss": {r.name: r.losses[-1] for r in runners},
         "loss_history": {r.name: r.losses for r in runners},
         "rounds_ms": {r.name: [1000 * s for s in r.rounds] for r in runners},
     }
     print(f"{'trainer':<22}{'tokens/s':>12}{'ms/step':>10}{'x transformers':>16}"
-          f"{'final loss':>12}")
+          f"{'startup s':>11}{'final loss':>12}")
     for r in runners:
         print(f"{r.name:<22}{rate[r.name]:>12,.0f}{1000 * tokens / rate[r.name]:>10.1f}"
-              f"{rate[r.name] / rate[torch_r.name]:>16.2f}{r.losses[-1]:>12.3f}")
+              f"{rate[r.name] / rate[torch_r.name]:>16.2f}{r.startup_s:>11.1f}"
+              f"{r.losses[-1]:>12.3f}")
+    if maxtext:
+        print(f"dsjax (1,1,1) runs at {result['ratio_maxtext']:.2f}x MaxText's tokens/s "
+              f"(MaxText on jax {maxtext.jax_version}, synthetic tokens: its loss is not "
+              f"comparable)")
     print(f"{m.num_layers} layers x {m.hidden_size} wide, {result['model']['params']:,} params; "
           f"batch {B} x {S} tokens; {args.steps} timed steps in rounds of {args.round}; "
           f"torch threads {args.threads} of {os.cpu_count()} cores; "
