@@ -15,7 +15,9 @@ for its memory reading and one more step is traced for its communication share.
 
 Prints the recipe's table (samples/s, ms/step, MFU and GPU utilisation, memory, communication
 share; each with the candidate's change in %). Writes into --out: compare.json
-({"baseline": {...}, "candidate": {...}, "change_pct": {...}} with samples_per_sec, step_ms, mfu,
+({"baseline": {...}, "candidate": {...}, "change_pct": {...}, "diverged": the candidate's final
+loss more than 5% above the baseline's, when its speed changes print as "diverged"} with
+samples_per_sec, step_ms, mfu,
 mem_bytes, comm_fraction as in metrics.jsonl; "load_before", "load_after", "cores",
 "others_cpu_share", "contended": the machine's conditions around the run, benchmarks/report.py),
 loss_vs_step.png,
@@ -41,6 +43,7 @@ from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402  (no JAX 
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
 
 FIGURES = ("samples_per_sec", "step_ms", "mfu", "mem_bytes", "comm_fraction")
+SPEED = ("samples_per_sec", "step_ms", "tokens_per_sec", "mfu")  # no change % once diverged
 DEFAULT_DATA_DIR = os.path.join(ROOT, "runs", "bench_data", "stdlib")
 
 
@@ -192,7 +195,10 @@ def table(result: dict) -> str:
     def row(name, key, fmt):
         vb, vc, d = b.get(key), c.get(key), change_pct(b.get(key), c.get(key))
         cell = lambda v: f"{'n/a':>14}" if v is None else f"{fmt(v):>14}"
-        return f"{name:<26}{cell(vb)}{cell(vc)}{'' if d is None else f'{d:+9.1f}%':>11}"
+        change = '' if d is None else f'{d:+9.1f}%'
+        if result.get("diverged") and key in SPEED:
+            change = "diverged"
+        return f"{name:<26}{cell(vb)}{cell(vc)}{change:>11}"
 
     gib = lambda v: f"{v / 2**20:,.1f} MiB"
     lines = [f"{'':<26}{'baseline':>14}{'candidate':>14}{'change':>11}",
@@ -212,6 +218,10 @@ def table(result: dict) -> str:
               f"({result['peak_source']}); memory: {b['mem_source']}; communication share from "
               f"one traced step; medians of {len(b['rounds_step_ms'])} alternating rounds of "
               f"{result['round_steps']} steps; {report.describe_load(result)}"]
+    if result.get("diverged"):
+        lines.append(f"DIVERGED: the candidate's final loss {c['final_loss']:.4g} is more than "
+                     f"{100 * report.DIVERGED_LOSS_GAP:.0f}% above the baseline's "
+                     f"{b['final_loss']:.4g}; its speed is not a result")
     return "\n".join(lines)
 
 
@@ -301,6 +311,8 @@ def main(argv=None) -> dict:
     conditions = report.load_record(timing)  # timed rounds and traced steps are over
     result["change_pct"] = {k: change_pct(result["baseline"][k], result["candidate"][k])
                             for k in FIGURES}
+    result["diverged"] = report.diverged(result["baseline"]["final_loss"],
+                                         result["candidate"]["final_loss"])
     result.update({"steps": args.steps, "round_steps": args.round, "warmup_steps": warmup,
                    "data": args.data, "device": jax.devices()[0].device_kind,
                    "peak_flops_per_device": peak, "peak_source": peak_source, **conditions})

@@ -10,6 +10,7 @@ true` (and prints a warning) when that share passes `OTHERS_MAX` (docs/observabi
 
 import ast
 import json
+import math
 import os
 import time
 from typing import Any
@@ -18,6 +19,16 @@ from typing import Any
 # part. The load average cannot say it alone: a benchmark's own threads (XLA's pool, 8 simulated
 # devices, PyTorch's OpenMP) lift the 1-minute load past the core count on an idle machine.
 OTHERS_MAX = 0.10
+# A candidate whose final loss is more than this fraction above its baseline's (or not finite)
+# diverged: its speed is not a result, faster or slower.
+DIVERGED_LOSS_GAP = 0.05
+
+
+def diverged(baseline_loss: float, candidate_loss: float) -> bool:
+    """True when the candidate's final loss is not finite or more than DIVERGED_LOSS_GAP above
+    the baseline's."""
+    return not math.isfinite(candidate_loss) or (
+        math.isfinite(baseline_loss) and candidate_loss > baseline_loss * (1 + DIVERGED_LOSS_GAP))
 
 
 def parse_value(text: str) -> Any:

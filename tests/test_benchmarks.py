@@ -356,6 +356,18 @@ def test_compare_smoke_configs(tmp_path):
     assert set(result["change_pct"]) == set(compare.FIGURES)
     for key, change in result["change_pct"].items():
         assert change == pytest.approx(100 * (cand[key] - base[key]) / base[key]), key
+    # These two trained alike (final losses within 5%): a verdict, not "diverged".
+    assert result["diverged"] is False and "DIVERGED" not in printed
+    # The H200 run's fp8 + 1-bit candidate: loss 64 against 5.6, printed as "+1.1% samples/s".
+    # With these sides' real figures and that candidate loss, the table says diverged instead.
+    bad = {**result, "candidate": {**cand, "final_loss": 64.0},
+           "baseline": {**base, "final_loss": 5.6}, "diverged": report.diverged(5.6, 64.0)}
+    text = compare.table(bad)
+    assert "DIVERGED" in text
+    speed_rows = [line for line in text.splitlines()
+                  if line[:26].strip() in ("samples/s", "ms/step", "tokens/s", "MFU")]
+    assert len(speed_rows) == 4 and all(line.endswith("diverged") for line in speed_rows)
+    assert "%" not in speed_rows[0].split()[-1]
 
     import matplotlib.image as mpimg  # pylint: disable=import-outside-toplevel
     for name in ("loss_vs_step.png", "loss_vs_time.png", "throughput.png"):
@@ -427,3 +439,10 @@ def test_peers_maxtext_tiny(tmp_path):
     losses = history["maxtext"]
     assert len(losses) == 11 and losses[-1] == result["final_loss"]["maxtext"]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_diverged_is_5_percent_above_the_baseline_loss():
+    assert not report.diverged(5.6, 5.6 * 1.049)
+    assert report.diverged(5.6, 5.6 * 1.051)
+    assert not report.diverged(5.6, 3.0)  # lower loss: a verdict stands
+    assert report.diverged(5.6, float("nan")) and report.diverged(5.6, float("inf"))
