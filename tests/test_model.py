@@ -86,3 +86,30 @@ def test_grouped_query_attention_equals_mha_with_repeated_kv_heads():
     tokens = rng.integers(0, CFG.vocab_size, (2, 16))
     np.testing.assert_allclose(_logits(gqa, params, tokens), _logits(mha, mha_params, tokens),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_unrolled_layers_equal_the_scanned_stack(policy):
+    """`model.scan_layers=False` runs the same layers as straight-line code: the same loss and
+    gradients (float32; only the order of float operations may differ), and no layer loop left
+    in the compiled program."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+    tokens = jax.random.randint(jax.random.key(2), (2, SEQ), 0, CFG.vocab_size)
+    policies = (policy,) * CFG.num_layers
+    scanned = Transformer(CFG, layer_policies=policies)
+    unrolled = Transformer(dataclasses.replace(CFG, scan_layers=False), layer_policies=policies)
+    assert not scanned.layers_unrolled and unrolled.layers_unrolled
+    params = scanned.init(jax.random.key(1), tokens)["params"]
+
+    def loss(model):
+        def f(p):
+            logits = model.apply({"params": p}, tokens)
+            return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        return jax.jit(jax.value_and_grad(f))
+
+    (l0, g0), (l1, g1) = loss(scanned)(params), loss(unrolled)(params)
+    assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(b)
+    loops = lambda model: loss(model).lower(params).compile().as_text().count(" while(")
+    assert loops(scanned) >= 2 and loops(unrolled) < loops(scanned)

@@ -60,6 +60,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # xla | flash | cudnn | pallas | auto (per backend, dtype, S)
     attention_block_q: int = 512  # flash: query rows per block
     attention_block_k: int = 512  # flash: key rows per block
+    scan_layers: bool = True  # False unrolls the layer stack: no stacked residual buffers
+                              # (cpu_tiny's CPU step -13%), compile time grows with depth
+                              # (docs/performance.md)
 
     @property
     def resolved_head_dim(self) -> int:

@@ -100,6 +100,12 @@ class Transformer(nn.Module):
                             attention_blocks=(cfg.attention_block_q, cfg.attention_block_k),
                             parent=None)  # detached: `run_layers` works on an unbound module too
 
+    @property
+    def layers_unrolled(self) -> bool:
+        """The layer scan runs as straight-line code: `scan_unroll` (FLOP counting) or
+        `model.scan_layers=False`."""
+        return bool(self.scan_unroll) or not self.cfg.scan_layers
+
     def attention_impl(self, seq_len: int) -> str:
         """The attention core's implementation at this sequence length (model.attention_impl,
         "auto" resolved for this backend and compute dtype)."""
@@ -150,7 +156,7 @@ class Transformer(nn.Module):
         if not use_remat:
             return apply
         # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.
-        return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.scan_unroll)
+        return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.layers_unrolled)
 
     def _segments(self, lo: int = 0, hi: int | None = None
                   ) -> list[tuple[int, int, bool, tuple[str, ...]]]:
@@ -300,7 +306,7 @@ class Transformer(nn.Module):
                 return x_BSD, stats
 
             x_BSD, stats = jax.lax.scan(group_body, x_BSD, grouped,
-                                        unroll=bool(self.scan_unroll))
+                                        unroll=self.layers_unrolled)
             if moe:  # [groups] per member -> layer order [groups * G]
                 moe_stats.append(jax.tree.map(
                     lambda *m: jnp.stack(m, axis=1).reshape(-1, *m[0].shape[1:]), *stats))
