@@ -9,8 +9,10 @@ distinct layer body in the scanned stack. Recomputation duplicates forward dots 
 so counts are taken with `remat.policy = none` (the precision policy is independent of it). On GPU
 it also compiles the step and counts cuBLASLt fp8 GEMMs (`__cublas$lt$matmul$f8`) in the optimised
 HLO, and fp8 operands that ended up in Triton GEMM fusions instead (should be none).
-Prints a table; writes {"config", "fp8_dots", "expected_fp8_dots", "high_precision_dots",
-"expected_high_precision_dots", "cublas_fp8_gemms" (null on CPU), "triton_fp8_fusions", "dots"}.
+It lists the shape of every fp8 GEMM, and counts fp8 values converted up to feed an ordinary
+GEMM, so that a silent upcast shows. Prints tables; writes {"config", "fp8_dots",
+"expected_fp8_dots", "high_precision_dots", "expected_high_precision_dots", "fp8_gemm_shapes",
+"upcast_gemm_inputs", "cublas_fp8_gemms" (null on CPU), "triton_fp8_fusions", "dots"}.
 """
 
 import argparse
@@ -33,6 +35,31 @@ ATTENTION_CORE_DOTS = {"xla": 6, "flash": 7}
 HEAD_DOTS = 3            # unchunked output head: forward, dgrad, wgrad
 CHUNKED_HEAD_DOTS = 4    # model.loss_chunk > 0: the backward recomputes each chunk's logits
 MATMULS = 7              # q, k, v, o, gate, up, down
+_DOT = re.compile(r"(%[^\s,]+) = stablehlo\.dot_general (%[^\s,]+), (%[^\s,]+),.*:\s*"
+                  r"\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
+_CONVERT = re.compile(r"(%[^\s,]+) = stablehlo\.convert (%[^\s,]+) : \(tensor<([^>]*)>\) -> "
+                      r"tensor<([^>]*)>")
+
+
+def _fp8(tensor_type: str) -> bool:
+    return "xf8" in tensor_type or tensor_type.startswith("f8")
+
+
+def fp8_gemm_shapes(stablehlo: str) -> dict[str, int]:
+    """{"lhs x rhs -> result" tensor types: count} of every dot_general with an fp8 operand."""
+    return dict(collections.Counter(f"{m[4]} x {m[5]} -> {m[6]}" for m in _DOT.finditer(stablehlo)
+                                    if _fp8(m[4]) or _fp8(m[5])))
+
+
+def upcast_gemm_inputs(stablehlo: str) -> int:
+    """Operands of ordinary (not fp8) dot_generals that are fp8 values converted up: a silent
+    upcast, fp8 storage but a bf16/f32 GEMM. SSA names are per function, so each is read apart."""
+    count = 0
+    for body in stablehlo.split("func.func")[1:]:
+        upcast = {m[1] for m in _CONVERT.finditer(body) if _fp8(m[3]) and not _fp8(m[4])}
+        count += sum((m[2] in upcast) + (m[3] in upcast) for m in _DOT.finditer(body)
+                     if not (_fp8(m[4]) or _fp8(m[5])))
+    return count
 
 
 def expected_counts(trainer) -> tuple[int, int]:
@@ -83,6 +110,8 @@ def main(argv=None) -> dict:
               "high_precision_dots": sum(not is_fp8(d) for d in dots),
               "expected_high_precision_dots": expected_high,
               "fp8_result_dtypes": sorted({d[2] for d in dots if is_fp8(d)}),
+              "fp8_gemm_shapes": fp8_gemm_shapes(lowered.as_text()),
+              "upcast_gemm_inputs": upcast_gemm_inputs(lowered.as_text()),
               "cublas_fp8_gemms": None, "triton_fp8_fusions": None,
               "backend": jax.devices()[0].platform, "dots": dict(kinds)}
     if jax.devices()[0].platform == "gpu":
@@ -98,6 +127,10 @@ def main(argv=None) -> dict:
     print(f"{'operands -> result':<40} {'dots':>5}")
     for kind, n in sorted(kinds.items()):
         print(f"{kind:<40} {n:>5}")
+    print(f"{'fp8 GEMM (lhs x rhs -> result)':<72} {'dots':>5}")
+    for shape, n in sorted(result["fp8_gemm_shapes"].items()):
+        print(f"{shape:<72} {n:>5}")
+    print(f"fp8 values converted up into ordinary GEMMs: {result['upcast_gemm_inputs']}")
     print(f"fp8 dots {result['fp8_dots']} (expected {expected_fp8}), high-precision dots "
           f"{result['high_precision_dots']} (expected {expected_high}), cuBLASLt fp8 GEMMs "
           f"{result['cublas_fp8_gemms']}, Triton fp8 fusions {result['triton_fp8_fusions']}")

@@ -113,6 +113,7 @@ SMOKE = {
                          "grad_max_abs_diff", "ms"}),
     "fp8_hlo": ("fp8_hlo", ["--config", "configs/h100_fp8.py:smoke", "--out", "{out}/fp8.json"],
                 "fp8.json", {"config", "fp8_dots", "expected_fp8_dots", "high_precision_dots",
+                             "fp8_gemm_shapes", "upcast_gemm_inputs",
                              "expected_high_precision_dots", "cublas_fp8_gemms",
                              "triton_fp8_fusions", "dots"}, None),
 }
@@ -135,6 +136,8 @@ DOCUMENTED = {
         "peers",
     "python benchmarks/peers.py --config configs/cpu_tiny.py --steps 20 --round 5 --maxtext "
     "--out benchmarks/results/peers_cpu.json": "peers_maxtext",
+    "python benchmarks/peers.py --config configs/cpu_tiny.py --steps 20 --round 5 --maxtext":
+        "peers_maxtext",
     "python benchmarks/pipeline_table.py --config configs/cpu_tiny.py "
     "--out benchmarks/results/pipeline_cpu_tiny.json": "pipeline_table",
     "python benchmarks/pipeline_table.py --config ... --pipeline 2": "pipeline_table_flags",
@@ -263,6 +266,11 @@ def test_documented_command(name, tmp_path):
         assert result["fp8_dots"] == result["expected_fp8_dots"] == 21, result
         assert (result["high_precision_dots"] == result["expected_high_precision_dots"]
                 == 10), result
+        # Every fp8 GEMM's shape is listed, and none of the smoke step's fp8 values is converted
+        # up into an ordinary GEMM.
+        assert sum(result["fp8_gemm_shapes"].values()) == 21
+        assert all("xf8E" in k for k in result["fp8_gemm_shapes"])
+        assert result["upcast_gemm_inputs"] == 0
     elif name == "attention_table":
         rows = {(r["attention"], r["impl"], r["seq_len"]): r for r in result["rows"]}
         assert {impl for _, impl, _ in rows} == {"xla", "flash"}  # CPU: cudnn/pallas need a GPU
@@ -446,3 +454,21 @@ def test_diverged_is_5_percent_above_the_baseline_loss():
     assert report.diverged(5.6, 5.6 * 1.051)
     assert not report.diverged(5.6, 3.0)  # lower loss: a verdict stands
     assert report.diverged(5.6, float("nan")) and report.diverged(5.6, float("inf"))
+
+
+def test_fp8_hlo_finds_an_fp8_value_upcast_into_a_bf16_gemm():
+    """fp8 storage feeding a bf16 GEMM (a silent upcast) is counted; a real fp8 GEMM is not."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import fp8_hlo  # pylint: disable=import-outside-toplevel
+
+    f8 = jnp.float8_e4m3fn
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+    upcast = jax.jit(lambda x, w: jnp.dot(x.astype(f8).astype(jnp.bfloat16),
+                                          w.astype(jnp.bfloat16))).lower(x, w).as_text()
+    real = jax.jit(lambda x, w: jax.lax.dot(x.astype(f8), w.astype(f8),
+                                            preferred_element_type=jnp.float32)
+                   ).lower(x, w).as_text()
+    assert fp8_hlo.upcast_gemm_inputs(upcast) == 1 and fp8_hlo.fp8_gemm_shapes(upcast) == {}
+    assert fp8_hlo.upcast_gemm_inputs(real) == 0
+    assert fp8_hlo.fp8_gemm_shapes(real) == {"4x8xf8E4M3FN x 8x3xf8E4M3FN -> 4x3xf32": 1}
