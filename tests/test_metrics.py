@@ -151,6 +151,46 @@ def test_device_utilisation_reads_nvml_for_the_visible_gpu(monkeypatch):
     assert mx.device_utilisation(gpu) is None
 
 
+def test_energy_counters_sum_over_gpus_and_are_absent_on_cpu(monkeypatch):
+    assert mx.energy_joules(jax.devices()[:1]) is None  # CPU: absent, not zero
+
+    class NVMLError(Exception):
+        pass
+
+    counters_mj = {0: 5_000_000, 3: 7_250_000}  # NVML's total-energy counters, millijoules
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError, nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: counters_mj[h])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus = [types.SimpleNamespace(platform="gpu", local_hardware_id=i, id=i) for i in (0, 3)]
+    assert mx.energy_joules(gpus) == pytest.approx(12_250.0)
+    assert mx.energy_joules(gpus + jax.devices()[:1]) is None  # one without a counter: none
+
+
+def test_energy_per_sample_is_the_counter_delta_over_the_samples_trained():
+    from dsjax.train.observer import Observer  # pylint: disable=import-outside-toplevel
+    readings = iter([1000.0, 1600.0, 2500.0])
+    obs = Observer.__new__(Observer)  # only the energy bookkeeping is exercised
+    obs.trainer, obs.energy_mark = types.SimpleNamespace(
+        mesh=types.SimpleNamespace(local_devices=[])), None
+    original = mx.energy_joules
+    mx.energy_joules = lambda devices: next(readings)
+    try:
+        assert obs.energy(16, 2048) == {}  # the first reading only marks
+        # 600 J over 48 samples / 6144 tokens since the mark
+        assert obs.energy(64, 8192) == pytest.approx({"joules_per_sample": 12.5,
+                                                      "joules_per_token": 600 / 6144})
+        assert obs.energy(96, 12288)["joules_per_sample"] == pytest.approx(900 / 32)
+    finally:
+        mx.energy_joules = original
+
+
+def test_cost_per_million_tokens():
+    # $2 per device-hour, 8 devices, 10,000 tokens/s: 16 $/h buys 36M tokens -> $0.444 per 1M.
+    assert mx.cost_per_million_tokens(2.0, 8, 10_000) == pytest.approx(16 / 36)
+
+
 def test_cost_analysis_agrees_with_a_known_matmul_count():
     # The unit XLA counts in, pinned on a program whose FLOPs are known exactly: 2*M*N*K.
     a = jnp.asarray(np.ones((64, 96), np.float32))

@@ -23,7 +23,8 @@ SUMMARY_KEYS = {"config", "mesh", "param_count", "steps", "final_train_loss", "e
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run") / "a")
-    proc = run_launch(workdir, {"metrics.profile_every": 3})  # step 3 runs under the profiler
+    proc = run_launch(workdir, {"metrics.profile_every": 3,  # step 3 runs under the profiler
+                                "metrics.cost_per_gpu_hour": 2.5})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir, proc
 
@@ -39,6 +40,11 @@ def test_run_directory_contract(finished_run):
     assert all(r["mem_bytes"] > 0 for r in records)  # CPU: from the compiled step's analysis
     # The traced step all-reduces gradients over `data`: communication is part of device time.
     assert "comm_fraction" not in records[1] and 0 < records[2]["comm_fraction"] < 1
+    # Energy: a CPU has no counter, so the fields are absent, not zero. Cost: $2.5 per device-
+    # hour for cpu_tiny's 8 devices at the record's tokens/s.
+    for r in records:
+        assert "joules_per_sample" not in r and "joules_per_token" not in r
+        assert r["cost_per_mtok"] == pytest.approx(2.5 * 8 / 3600 / r["tokens_per_sec"] * 1e6)
     assert os.path.isdir(os.path.join(workdir, "tensorboard", "plugins", "profile"))
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
@@ -46,6 +52,9 @@ def test_run_directory_contract(finished_run):
     assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}  # cpu_tiny's own
     assert summary["steps"] == 4 and summary["final_train_loss"] == records[-1]["loss"]
     assert 0 < summary["eval_bits_per_byte"] < 10
+    assert "joules_per_sample" not in summary
+    assert summary["cost_per_mtok"] == pytest.approx(
+        float(np.median([r["cost_per_mtok"] for r in records])))
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
     with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
         assert json.load(f)["model"]["hidden_size"] == 64

@@ -232,6 +232,7 @@ class MetricsConfig:
     peak_flops_per_device: float = 0.0  # 0: look up the device kind, or measure on CPU
     tensorboard: bool = True  # write tensorboard/ event files
     profile_every: int = 0  # trace one step every N steps for the communication share (0 = off)
+    cost_per_gpu_hour: float = 0.0  # price of one device-hour: records cost_per_mtok (0 = off)
 
 
 @dataclasses.dataclass(frozen=True)

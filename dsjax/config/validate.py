@@ -57,7 +57,8 @@ def validate(cfg: Config) -> None:
     _bounds("checkpoint", cfg.checkpoint, positive="keep", non_negative="every")
     if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
         raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
-    _bounds("metrics", cfg.metrics, non_negative="peak_flops_per_device profile_every")
+    _bounds("metrics", cfg.metrics,
+            non_negative="peak_flops_per_device profile_every cost_per_gpu_hour")
     compositions(cfg)
 
 

@@ -55,6 +55,13 @@ def matmul_params(cfg: ModelConfig) -> int:
     return layers + D * cfg.vocab_size + cfg.num_mtp_layers * (mtp_block + D * cfg.vocab_size)
 
 
+def cost_per_million_tokens(cost_per_device_hour: float, devices: int,
+                            tokens_per_sec: float) -> float:
+    """What a million training tokens cost at `cost_per_device_hour` (metrics.cost_per_gpu_hour)
+    for `devices` devices running at `tokens_per_sec` in all."""
+    return cost_per_device_hour * devices / 3600.0 / tokens_per_sec * 1e6
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token, causal attention."""
     if cfg.attention == "mla":  # scores over qk dims, context over v dims

@@ -70,11 +70,9 @@ def memory_reading(device: Any, compiled: Any = None) -> dict[str, Any]:
     return {"bytes_in_use": None, "peak_bytes": None, "source": "unavailable"}
 
 
-def device_utilisation(device: Any = None) -> float | None:
-    """NVML's GPU utilisation of `device` (default: the first), as a fraction: the share of its
-    last sample period (1/6 s to 1 s) in which any kernel ran. None, not zero, where there is no
-    GPU or no `pynvml` (package nvidia-ml-py). Not MFU: one small kernel at a time reads 1.0."""
-    device = jax.devices()[0] if device is None else device
+def _nvml_handle(device: Any) -> Any:
+    """(pynvml, NVML handle) of a GPU `device`; None off GPU, without `pynvml` (package
+    nvidia-ml-py) or when NVML fails."""
     if device.platform != "gpu":
         return None
     try:
@@ -88,7 +86,37 @@ def device_utilisation(device: Any = None) -> float | None:
         index = int(visible[index])
     try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except pynvml.NVMLError:
+        return None
+
+
+def device_utilisation(device: Any = None) -> float | None:
+    """NVML's GPU utilisation of `device` (default: the first), as a fraction: the share of its
+    last sample period (1/6 s to 1 s) in which any kernel ran. None, not zero, where there is no
+    GPU or no `pynvml` (package nvidia-ml-py). Not MFU: one small kernel at a time reads 1.0."""
+    nvml = _nvml_handle(jax.devices()[0] if device is None else device)
+    if nvml is None:
+        return None
+    pynvml, handle = nvml
+    try:
         return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
     except pynvml.NVMLError:
         return None
+
+
+def energy_joules(devices: Any) -> float | None:
+    """Energy the GPUs `devices` have used since their driver loaded, summed, in joules (NVML's
+    total-energy counter, Volta and later). None, not zero, where any of them is not a GPU with
+    that counter: CPUs have no such reading, so the energy fields are absent there."""
+    total = 0.0
+    for device in devices:
+        nvml = _nvml_handle(device)
+        if nvml is None:
+            return None
+        pynvml, handle = nvml
+        try:
+            total += pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0  # mJ
+        except pynvml.NVMLError:
+            return None
+    return total

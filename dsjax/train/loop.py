@@ -134,6 +134,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     last_time = time.perf_counter()
     step_times: list[float] = []
     shape_timed = [None]  # (batch, accum) whose step times `step_times` holds
+    seen = [0, 0]  # samples and tokens trained by this process's run (energy per sample)
 
     def drain(item) -> None:
         nonlocal last_time
@@ -165,6 +166,8 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         if timed:
             step_times.append(dt)
         batcher.observe(m, 1000 * dt if timed else None)  # adaptive batch size: the reading
+        seen[0] += m["batch_size"]
+        seen[1] += m["batch_size"] * cfg.data.seq_len
         done = step_idx + 1
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
             typical = float(np.median(step_times[-50:])) if step_times else dt
@@ -177,6 +180,10 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
                       "skipped_steps": int(m["skipped_steps"])}
             record.update(batcher.record_fields(m, step_idx))
             record.update(observer.readings())
+            record.update(observer.energy(*seen))
+            if cfg.metrics.cost_per_gpu_hour > 0:
+                record["cost_per_mtok"] = mx.cost_per_million_tokens(
+                    cfg.metrics.cost_per_gpu_hour, jax.device_count(), tps)
             if "onebit_compressed" in m:
                 record["onebit_compressed"] = int(m["onebit_compressed"])
             record.update(moe_record(m))
@@ -240,6 +247,9 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         "median_tokens_per_sec": mx.median_of(history, "tokens_per_sec"),
         "median_step_ms": mx.median_of(history, "step_ms"),
         "mfu": mx.median_of(history, "mfu"), "mfu_peak_source": peak_source,
+        **{k: mx.median_of(history, k) for k in ("joules_per_sample", "joules_per_token",
+                                                 "cost_per_mtok")
+           if any(k in r for r in history)},
         "flops_per_token": flops_tok, "attention_impl": attention_impl,
         "pipeline_bubble": bubble_fraction(cfg.pipeline.schedule, cfg.mesh.pipeline,
                                            cfg.pipeline.microbatches, cfg.pipeline.repeats,

@@ -1,4 +1,5 @@
-"""What the loop reports beside the loss: memory, device utilisation, communication share."""
+"""What the loop reports beside the loss: memory, device utilisation, communication share,
+energy per sample."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Observer:
         self.compiled_memory: dict[Any, dict[str, Any]] = {}
         self.comm: dict[str, Any] = {}
         self.untimed: set[int] = set()
+        self.energy_mark: tuple[float, int, int] | None = None  # (joules, samples, tokens) seen
 
     def measure_memory(self, state: TrainState, batch: dict[str, jax.Array]) -> None:
         reading = mx.memory_reading(self.device)
@@ -68,6 +70,21 @@ class Observer:
         if util is not None:
             out["device_utilisation"] = util
         return out
+
+    def energy(self, samples: int, tokens: int) -> dict[str, float]:
+        """{"joules_per_sample", "joules_per_token"} since the previous call: NVML's energy
+        counters of this process's GPUs, scaled by the process count (every process runs an
+        equal share of the global batch), over the samples and tokens trained meanwhile
+        (`samples`, `tokens`: totals so far). Empty on CPU, and at the first call."""
+        joules = mx.energy_joules(self.trainer.mesh.local_devices)
+        if joules is None:
+            return {}
+        mark, self.energy_mark = self.energy_mark, (joules, samples, tokens)
+        if mark is None or samples <= mark[1]:
+            return {}
+        used = (joules - mark[0]) * jax.process_count()
+        return {"joules_per_sample": used / (samples - mark[1]),
+                "joules_per_token": used / (tokens - mark[2])}
 
     def summary(self) -> dict[str, Any]:
         return {"mem_bytes": self.memory.get("peak_bytes"),
