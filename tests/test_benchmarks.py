@@ -472,3 +472,43 @@ def test_fp8_hlo_finds_an_fp8_value_upcast_into_a_bf16_gemm():
     assert fp8_hlo.upcast_gemm_inputs(upcast) == 1 and fp8_hlo.fp8_gemm_shapes(upcast) == {}
     assert fp8_hlo.upcast_gemm_inputs(real) == 0
     assert fp8_hlo.fp8_gemm_shapes(real) == {"4x8xf8E4M3FN x 8x3xf8E4M3FN -> 4x3xf32": 1}
+
+
+@pytest.mark.slow
+def test_gpu_mfu_script_dry_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_mfu.sh, the one prepared GPU run, end to end at its smoke sizes on CPU, so
+    it cannot rot before a GPU session runs it. Its speed figures mean nothing here."""
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           "GPU_MFU_PRESET": "smoke", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "benchmarks/gpu_mfu.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "gpu_mfu.json", encoding="utf-8") as f:
+        result = json.load(f)
+    assert {"device", "jax", "rows", "mfu_bf16_full_depth", "mfu_fp8_full_depth",
+            "fp8_speedup", "fp8_loss_gap"} <= set(result)
+    rows = {(r["dtype"], r["layers"]): r for r in result["rows"]}
+    assert set(rows) == {(d, n) for d in ("bfloat16", "fp8") for n in (2, 6)}
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["compile_s"] > 0 and r["last_loss"] < r["first_loss"]
+    # The extrapolation, by hand from the rows: 4 layers apart, then 30 layers.
+    lo, hi = rows["bfloat16", 2], rows["bfloat16", 6]
+    per_layer = (hi["step_ms"] - lo["step_ms"]) / 4
+    full = result["full_depth"]["bfloat16"]
+    assert full["per_layer_ms"] == pytest.approx(per_layer)
+    assert full["step_ms"] == pytest.approx(lo["step_ms"] - 2 * per_layer + 30 * per_layer)
+    assert result["fp8_speedup"] == pytest.approx(full["step_ms"] /
+                                                  result["full_depth"]["fp8"]["step_ms"])
+    # The same seed and batches: fp8 (emulated exactly on CPU) tracks bf16 within 2%.
+    assert abs(result["fp8_loss_gap"]) < 0.02
+    with open(tmp_path / "gpu_mfu_rows" / "attention.json", encoding="utf-8") as f:
+        attention = json.load(f)
+    impls = {(r["impl"], r["packed"]): r for r in attention["rows"]}
+    assert set(impls) == {(i, p) for i in ("xla", "flash") for p in (False, True)}  # CPU
+    assert all(r["max_abs_diff_vs_xla"] < 1e-4 for r in impls.values())
+    with open(tmp_path / "fp8_hlo.json", encoding="utf-8") as f:
+        assert json.load(f)["fp8_dots"] == 21
+    with open(tmp_path / "remat_7b.json", encoding="utf-8") as f:
+        assert len(json.load(f)["rows"]) == 2
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in (
+        tmp_path / "gpu_mfu_flags.txt").read_text()
