@@ -258,16 +258,17 @@ def main(argv=None) -> dict:
     cfg, _, total = prepared(args)
     mesh_devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
     B, S = cfg.data.global_batch, cfg.data.seq_len
-    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passed = list(argv if argv is not None else sys.argv[1:])
     timing = report.timing_start()
-    runners = []
+    by_kind = {}  # WORKERS kind (or "maxtext") -> its runner, in start order
     try:
         for kind in WORKERS:
             if kind != "dsjax_mesh" or mesh_devices > 1:
-                runners.append(WorkerRunner(kind, passed))
+                by_kind[kind] = WorkerRunner(kind, passed)
         if args.maxtext:
-            runners.append(maxtext_peer.MaxTextRunner(cfg, total, args.maxtext_venv,
-                                                      args.maxtext_python))
+            by_kind["maxtext"] = maxtext_peer.MaxTextRunner(cfg, total, args.maxtext_venv,
+                                                            args.maxtext_python)
+        runners = list(by_kind.values())
         for r in runners:  # each has run its first step
             if args.warmup > 1:
                 r.run(args.warmup - 1)
@@ -277,13 +278,10 @@ def main(argv=None) -> dict:
                 if n > 0:
                     r.rounds.append(r.run(n) / n)
     finally:
-        for r in runners:
+        for r in by_kind.values():
             r.close()
-    by_kind = dict(zip(WORKERS if mesh_devices > 1 else ("dsjax_one", "transformers"),
-                       runners))
     dsjax_one, torch_r = by_kind["dsjax_one"], by_kind["transformers"]
-    dsjax_mesh = by_kind.get("dsjax_mesh")
-    maxtext = runners[-1] if args.maxtext else None
+    dsjax_mesh, maxtext = by_kind.get("dsjax_mesh"), by_kind.get("maxtext")
     conditions = report.load_record(timing)
 
     tokens = B * S
