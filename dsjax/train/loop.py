@@ -134,7 +134,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     last_time = time.perf_counter()
     step_times: list[float] = []
     shape_timed = [None]  # (batch, accum) whose step times `step_times` holds
-    seen = [0, 0]  # samples and tokens trained by this process's run (energy per sample)
+    seen = [0, 0]  # global-batch samples and tokens trained in this run (energy per sample)
 
     def drain(item) -> None:
         nonlocal last_time
