@@ -12,7 +12,8 @@ HLO, and fp8 operands that ended up in Triton GEMM fusions instead (should be no
 It lists the shape of every fp8 GEMM, and counts fp8 values converted up to feed an ordinary
 GEMM, so that a silent upcast shows. Prints tables; writes {"config", "fp8_dots",
 "expected_fp8_dots", "high_precision_dots", "expected_high_precision_dots", "fp8_gemm_shapes",
-"upcast_gemm_inputs", "cublas_fp8_gemms" (null on CPU), "triton_fp8_fusions", "dots"}.
+"upcast_gemm_inputs", "cublas_fp8_gemms" (null on CPU), "triton_fp8_fusions", "dots", and on
+GPU "cublas_fp8_gemm_shapes" and "fp8_dots_left_in_hlo"}.
 """
 
 import argparse
@@ -60,6 +61,14 @@ def upcast_gemm_inputs(stablehlo: str) -> int:
         count += sum((m[2] in upcast) + (m[3] in upcast) for m in _DOT.finditer(body)
                      if not (_fp8(m[4]) or _fp8(m[5])))
     return count
+
+
+_CUBLAS_FP8 = re.compile(r"= \((\w+\[[\d,]*\])[^=]*custom-call\(.*custom_call_target=\"__cublas\$lt\$matmul\$f8\"")
+
+
+def cublas_fp8_output_shapes(compiled_hlo: str) -> dict[str, int]:
+    """{"bf16[8192,4096]": count} of the outputs of every cuBLASLt fp8 GEMM in optimised HLO."""
+    return dict(collections.Counter(m[1] for m in _CUBLAS_FP8.finditer(compiled_hlo)))
 
 
 def expected_counts(trainer) -> tuple[int, int]:
@@ -118,6 +127,9 @@ def main(argv=None) -> dict:
         hlo = lowered.compile().as_text()
         result["cublas_fp8_gemms"] = fp8.fp8_gemm_calls(hlo)
         result["triton_fp8_fusions"] = len(re.findall(r"__triton_gemm[^\n]*f8e", hlo))
+        # Output shapes of the cuBLASLt fp8 calls: set against fp8_gemm_shapes, a call wider
+        # than any dot is two dots sharing an operand that XLA's dot merger joined.
+        result["cublas_fp8_gemm_shapes"] = cublas_fp8_output_shapes(hlo)
         # fp8 dots XLA did not hand to cuBLASLt (e.g. a layout it could not rewrite)
         result["fp8_dots_left_in_hlo"] = [line.strip()[:240] for line in hlo.splitlines()
                                           if " dot(" in line and "f8e" in line]

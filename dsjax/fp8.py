@@ -2,8 +2,8 @@
 delayed-scaling state, and the precision policy (`Fp8Policy`: which matmuls of which layers).
 
 The one idea: operands are cast to fp8 *before* `lax.dot_general`, which receives fp8 tensors and
-`preferred_element_type=float32`; the dequantisation scales are multiplies on the float32 result,
-a pattern XLA's GPU gemm rewriter turns into a cuBLASLt fp8 GEMM on Hopper. docs/fp8.md has the
+emits the consumer's dtype; the dequantisation scale is a scalar multiply on that result, a
+pattern XLA's GPU gemm rewriter turns into one cuBLASLt fp8 GEMM on Hopper. docs/fp8.md has the
 formats, the recipes and how the delayed-scaling state leaves through autodiff.
 """
 
@@ -113,17 +113,34 @@ def _transpose(a: jax.Array, perm: tuple[int, ...]) -> jax.Array:
     return a if perm == tuple(range(a.ndim)) else jnp.transpose(a, perm)
 
 
-def _gemm(a: jax.Array, b: jax.Array, a_contract, b_contract) -> jax.Array:
-    """fp8 x fp8 -> float32. The explicit element type matters: without it the result is fp8."""
+def _gemm(a: jax.Array, b: jax.Array, a_contract, b_contract, out: Any = jnp.float32
+          ) -> jax.Array:
+    """fp8 x fp8 -> `out` (float32 accumulation inside the GEMM either way). The explicit
+    element type matters: without it the result is fp8."""
     return lax.dot_general(a, b, ((tuple(a_contract), tuple(b_contract)), ((), ())),
-                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+                           precision=lax.Precision.DEFAULT, preferred_element_type=out)
 
 
-def _gemm_emulated(a: jax.Array, b: jax.Array, a_contract, b_contract) -> jax.Array:
-    """The same GEMM on upcast operands in float32 (fp8 values are exact in float32)."""
+def _gemm_emulated(a: jax.Array, b: jax.Array, a_contract, b_contract, out: Any = jnp.float32
+                   ) -> jax.Array:
+    """The same GEMM on upcast operands in float32 (fp8 values are exact in float32), rounded
+    once to `out`."""
     return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
                            ((tuple(a_contract), tuple(b_contract)), ((), ())),
-                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+                           precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32).astype(out)
+
+
+def _scaled_gemm(a: jax.Array, b: jax.Array, a_contract, b_contract, scale: jax.Array,
+                 out: Any, gemm=_gemm) -> jax.Array:
+    """(a . b) * scale with a scalar `scale`, written in `out`: a GEMM that emits `out` itself
+    and a multiply in `out`, the pattern cuBLASLt takes whole (the scalar becomes its scale
+    operand, the narrow output comes from its epilogue). A float32 output stays float32 all the
+    way; a narrower one rounds the GEMM result and the scale to it before the multiply."""
+    out = jnp.dtype(out)
+    if out == jnp.float32:
+        return gemm(a, b, a_contract, b_contract) * scale
+    return gemm(a, b, a_contract, b_contract, out) * scale.astype(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +168,8 @@ def _forward(spec: _Spec, x, w, scale, gemm=_gemm):
         sx = _pick(scale[X], seen[X], E4M3, spec.recipe)
         sw = _pick(scale[W], seen[W], E4M3, spec.recipe)
         xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
-        y = gemm(xq, wq, spec.x_contract, spec.w_contract) * (sx * sw)
+        y = _scaled_gemm(xq, wq, spec.x_contract, spec.w_contract, sx * sw, spec.out_dtype,
+                         gemm)
         res = (xq, sx, wq, sw, scale[G], seen)
     res = tuple(checkpoint_name(r, FP8_RESIDUAL) for r in res)
     return _transpose(y, spec.out_perm).astype(spec.out_dtype), res
@@ -178,7 +196,8 @@ def _backward(spec: _Spec, res, dy, gemm=_gemm):
         seen_g = amax(dy)[None]
         sg = _pick(g_meta_scale, seen_g[0], E5M2, spec.recipe)
         gq = quantize(dy, sg, E5M2)
-        dx = gemm(gq, wq, dy_w, spec.w_free) * (sg * sw)
+        # dx goes on in the activations' dtype; dw stays float32 (it is accumulated).
+        dx = _scaled_gemm(gq, wq, dy_w, spec.w_free, sg * sw, spec.x_dtype, gemm)
         dw = gemm(gq, xq, dy_x, spec.x_free) * (sg * sx)
     dx = _transpose(dx, spec.dx_perm).astype(spec.x_dtype)
     dw = _transpose(dw, spec.dw_perm).astype(spec.w_dtype)
