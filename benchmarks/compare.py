@@ -1,4 +1,4 @@
-"""The side-by-side report: a baseline and a candidate config trained in one process, compared.
+"""The side-by-side report: a baseline and a candidate config trained alternately, compared.
 
   python benchmarks/compare.py --baseline configs/h100_bf16.py --candidate configs/h100_fp8.py \
       --steps 200 --out benchmarks/results/compare_h100
@@ -8,21 +8,24 @@
 A config is `configs/NAME.py[:ARG][|section.field=value|...]` (benchmarks/step_time.py's syntax),
 e.g. "configs/h100_fp8.py:smoke|optim.name=adamw". Both configs train on the same batches (rows of
 the Python standard library's source, byte tokens; `--data synthetic` for random tokens) from the
-same seed. After untimed warmup steps (every program compiled, including 1-bit Adam's compressed
-step), they alternate rounds of `--round` steps until each has `--steps` timed steps, so machine
-drift hits both. Figures are medians over rounds; then each config's current step is compiled
-for its memory reading and one more step is traced for its communication share.
+same seed. Each config trains in a process of its own (benchmarks/workers.py), with its own
+devices, XLA flag profile (mesh.xla_profile) and memory: its peak memory is its own. After
+untimed warmup steps (every program compiled, including 1-bit Adam's compressed step), the two
+alternate rounds of `--round` steps until each has `--steps` timed steps, so machine drift hits
+both. Figures are medians over rounds; then each config's current step is compiled for its
+memory reading and one more step is traced for its communication share. On a GPU both
+processes hold the device at once (memory is allocated on demand), so both must fit.
 
-Prints the recipe's table (samples/s, ms/step, MFU and GPU utilisation, memory, communication
-share; each with the candidate's change in %). Writes into --out: compare.json
-({"baseline": {...}, "candidate": {...}, "change_pct": {...}, "diverged": the candidate's final
-loss more than 5% above the baseline's, when its speed changes print as "diverged"} with
-samples_per_sec, step_ms, mfu,
-mem_bytes, comm_fraction as in metrics.jsonl; "load_before", "load_after", "cores",
+Prints the recipe's table (samples/s, ms/step, MFU and GPU utilisation, energy per sample and
+cost per million tokens, memory, communication share; each with the candidate's change in %).
+Writes into --out: compare.json ({"baseline": {...}, "candidate": {...}, "change_pct": {...},
+"diverged": the candidate's final loss more than 5% above the baseline's, when its speed changes
+print as "diverged"} with samples_per_sec, step_ms, mfu, mem_bytes, comm_fraction,
+joules_per_sample, joules_per_token (NVML, GPU only: null on CPU) and cost_per_mtok (with
+metrics.cost_per_gpu_hour set) as in metrics.jsonl; "load_before", "load_after", "cores",
 "others_cpu_share", "contended": the machine's conditions around the run, benchmarks/report.py),
-loss_vs_step.png,
-loss_vs_time.png, throughput.png, and profile/{baseline,candidate}/ (the traces; TensorBoard or
-Perfetto). A contended run prints a warning after the table.
+loss_vs_step.png, loss_vs_time.png, throughput.png, and profile/{baseline,candidate}/ (the
+traces; TensorBoard or Perfetto). A contended run prints a warning after the table.
 docs/observability.md says what each figure means and where it is weak.
 """
 
@@ -39,11 +42,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
+import workers  # noqa: E402  (benchmarks/workers.py)
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402  (no JAX import yet)
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
 
-FIGURES = ("samples_per_sec", "step_ms", "mfu", "mem_bytes", "comm_fraction")
-SPEED = ("samples_per_sec", "step_ms", "tokens_per_sec", "mfu")  # no change % once diverged
+FIGURES = ("samples_per_sec", "step_ms", "mfu", "mem_bytes", "comm_fraction",
+           "joules_per_sample", "cost_per_mtok")
+SPEED = ("samples_per_sec", "step_ms", "tokens_per_sec", "mfu", "joules_per_sample",
+         "cost_per_mtok")  # no change % once diverged
 DEFAULT_DATA_DIR = os.path.join(ROOT, "runs", "bench_data", "stdlib")
 
 
@@ -95,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", choices=("stdlib", "synthetic"), default="stdlib")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     parser.add_argument("--out", default=None, help="directory for compare.json and the plots")
+    parser.add_argument("--worker", choices=("baseline", "candidate"), default=None,
+                        help=argparse.SUPPRESS)  # internal: one side, driven over stdin
     args = parser.parse_args(argv)
     if args.steps < 1 or args.round < 1:
         parser.error("--steps and --round must be >= 1")
@@ -112,11 +120,15 @@ class Side:
         self.losses: list[tuple[int, float, float | None]] = []  # (step, loss, timed wall s)
         self.rounds: list[float] = []  # seconds per step of each timed round
         self.utilisation: list[float | None] = []  # NVML after each round (None: absent)
+        self.joules: float | None = 0.0  # NVML energy of the timed rounds (None: absent)
         self.warmup_s = 0.0  # compilation + warmup steps
 
     def run(self, n: int, timed: bool) -> float:
         import jax  # pylint: disable=import-outside-toplevel
+        from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
 
+        devices = list(self.trainer.mesh.devices.flat)
+        energy_before = mx.energy_joules(devices) if timed else None
         pending = []
         t0 = time.perf_counter()
         for _ in range(n):
@@ -132,6 +144,12 @@ class Side:
             self.losses.append((step, float(loss), wall))
         if timed:
             self.rounds.append(dt / n)
+            self.utilisation.append(mx.device_utilisation(devices[0]))
+            energy_after = mx.energy_joules(devices)
+            if energy_before is None or energy_after is None or self.joules is None:
+                self.joules = None
+            else:
+                self.joules += energy_after - energy_before
         return dt
 
     def timed_seconds(self) -> float:
@@ -160,8 +178,12 @@ def measure(side: Side, peak: float, out_dir: str | None) -> dict:
     side.steps_done += 1  # the traced step trained too; it is not in the loss curve
     comm = trace.comm_share(run_dir)
     util = [u for u in side.utilisation if u is not None]
+    timed_steps = len(side.losses) - sum(w is None for _, _, w in side.losses)
+    per_sample = (None if side.joules is None or not timed_steps
+                  else side.joules / (timed_steps * cfg.data.global_batch))
+    cost = cfg.metrics.cost_per_gpu_hour
     return {
-        "config": side.spec, "compute_dtype": cfg.train.compute_dtype,
+        "config": side.spec, "pid": os.getpid(), "compute_dtype": cfg.train.compute_dtype,
         "optim": cfg.optim.name, "remat": cfg.remat.policy,
         "mesh": sharding.describe(trainer.mesh), "param_count": trainer.param_count,
         "samples_per_sec": cfg.data.global_batch / step_s, "step_ms": 1000 * step_s,
@@ -176,6 +198,10 @@ def measure(side: Side, peak: float, out_dir: str | None) -> dict:
         "collective_bytes": mx.collective_bytes(compiled.as_text(), devices)
         if jax.devices()[0].platform == "cpu" else None,  # async GPU HLO would over-count
         "device_utilisation": statistics.median(util) if util else None,
+        "joules_per_sample": per_sample,
+        "joules_per_token": None if per_sample is None else per_sample / cfg.data.seq_len,
+        "cost_per_mtok": mx.cost_per_million_tokens(cost, devices, tokens / step_s)
+        if cost > 0 else None,
         "profile": os.path.relpath(run_dir, out_dir) if out_dir else run_dir,
         "warmup_s": side.warmup_s, "rounds_step_ms": [1000 * s for s in side.rounds],
         "final_loss": side.losses[-1][1],
@@ -207,6 +233,8 @@ def table(result: dict) -> str:
              row("tokens/s", "tokens_per_sec", lambda v: f"{v:,.0f}"),
              row("MFU", "mfu", lambda v: f"{100 * v:.2f}%"),
              row("GPU utilisation (NVML)", "device_utilisation", lambda v: f"{100 * v:.0f}%"),
+             row("energy / sample (NVML)", "joules_per_sample", lambda v: f"{v:,.2f} J"),
+             row("cost / M tokens", "cost_per_mtok", lambda v: f"{v:,.3f}"),
              row("memory / device", "mem_bytes", gib),
              row("communication share", "comm_fraction", lambda v: f"{100 * v:.1f}%"),
              row("  exposed (not overlapped)", "exposed_comm_fraction",
@@ -273,49 +301,83 @@ def plot(result: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cfgs = [_load(args.baseline), _load(args.candidate)]
-    warmup = args.warmup if args.warmup is not None else max(map(warmup_steps, cfgs))
-    # The schedule spans the whole run (warmup + timed + the traced step).
-    cfgs = [dataclasses.replace(c, train=dataclasses.replace(
-        c.train, steps=warmup + args.steps + 1)) for c in cfgs]
-    ensure_cpu_devices(max(c.mesh.data * c.mesh.tensor * c.mesh.pipeline for c in cfgs))
-    import jax  # pylint: disable=import-outside-toplevel
-    from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
-    from dsjax import sharding  # pylint: disable=import-outside-toplevel
-    from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
+LABELS = ("baseline", "candidate")
 
-    timing = report.timing_start()
-    sides = []
-    for label, spec, cfg in zip(("baseline", "candidate"), (args.baseline, args.candidate),
-                                cfgs):
-        devices = jax.devices()[:cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline]
-        trainer = build_trainer(cfg, sharding.make_mesh(cfg, devices))
-        count = min(warmup + args.steps, 64)  # cycled; distinct enough for a loss curve
+
+class _Served:
+    """What a `--worker` process serves (benchmarks/workers.py): one side, with only its own
+    devices, XLA flag profile and memory."""
+
+    def __init__(self, args: argparse.Namespace):
+        spec = args.baseline if args.worker == "baseline" else args.candidate
+        cfg = _load(spec)
+        # The schedule spans the whole run (warmup + timed + the traced step).
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, steps=args.warmup + args.steps + 1))
+        from dsjax.runtime import xla_flags  # pylint: disable=import-outside-toplevel
+        xla_flags.apply(cfg.mesh.xla_profile)  # before JAX starts, as launch.py does
+        ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+        from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
+
+        trainer = build_trainer(cfg)
+        count = min(args.warmup + args.steps, 64)  # cycled; distinct enough for a loss curve
         host = host_batches(cfg.data.seq_len, cfg.data.global_batch, count, args.data,
                             args.data_dir, min(cfg.model.vocab_size, 256), cfg.train.seed)
-        side = Side(label, spec, cfg, trainer, [trainer.device_batch(b) for b in host])
-        side.warmup_s = side.run(warmup, timed=False)
-        sides.append(side)
-    while any(side.steps_done < warmup + args.steps for side in sides):
-        for side in sides:
-            n = min(args.round, warmup + args.steps - side.steps_done)
-            if n > 0:
-                side.run(n, timed=True)
-                side.utilisation.append(mx.device_utilisation(side.trainer.mesh.devices.flat[0]))
+        self.side = Side(args.worker, spec, cfg, trainer, [trainer.device_batch(b) for b in host])
+        self.side.warmup_s = self.side.run(args.warmup, timed=False)
 
-    peak, peak_source = mx.peak_flops_per_device(cfgs[0].metrics.peak_flops_per_device)
-    result = {"baseline": measure(sides[0], peak, args.out),
-              "candidate": measure(sides[1], peak, args.out)}
-    conditions = report.load_record(timing)  # timed rounds and traced steps are over
+    def hello(self) -> dict:
+        return {"warmup_s": self.side.warmup_s}
+
+    def round(self, n: int) -> dict:
+        return {"seconds": self.side.run(n, timed=True)}
+
+    def finish(self, out: str | None) -> dict:
+        import jax  # pylint: disable=import-outside-toplevel
+        from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
+
+        peak, source = mx.peak_flops_per_device(self.side.cfg.metrics.peak_flops_per_device)
+        return {"side": measure(self.side, peak, out), "peak": peak, "peak_source": source,
+                "device": jax.devices()[0].device_kind}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        return workers.serve(_Served(args))
+    cfgs = [_load(args.baseline), _load(args.candidate)]
+    warmup = args.warmup if args.warmup is not None else max(map(warmup_steps, cfgs))
+    passed = [*(argv if argv is not None else sys.argv[1:]), "--warmup", str(warmup)]
+
+    timing = report.timing_start()
+    sides, done, finished = {}, dict.fromkeys(LABELS, 0), {}
+    try:
+        for label in LABELS:  # each builds, compiles and runs its warmup steps
+            sides[label] = workers.Worker(__file__, [*passed, "--worker", label], label)
+        while any(done[label] < args.steps for label in LABELS):
+            for label in LABELS:
+                n = min(args.round, args.steps - done[label])
+                if n > 0:
+                    sides[label].call("round", n=n)
+                    done[label] += n
+        for label in LABELS:
+            finished[label] = sides[label].call("finish", out=args.out)
+    finally:
+        for worker in sides.values():
+            worker.close()
+    conditions = report.load_record(timing)  # after the workers exit: their CPU time counts
+
+    base = finished["baseline"]
+    result = {label: finished[label]["side"] for label in LABELS}
     result["change_pct"] = {k: change_pct(result["baseline"][k], result["candidate"][k])
                             for k in FIGURES}
     result["diverged"] = report.diverged(result["baseline"]["final_loss"],
                                          result["candidate"]["final_loss"])
     result.update({"steps": args.steps, "round_steps": args.round, "warmup_steps": warmup,
-                   "data": args.data, "device": jax.devices()[0].device_kind,
-                   "peak_flops_per_device": peak, "peak_source": peak_source, **conditions})
+                   "data": args.data, "device": base["device"],
+                   "peak_flops_per_device": base["peak"], "peak_source": base["peak_source"],
+                   "method": "each config in its own process, alternating rounds",
+                   **conditions})
     print(table(result))
     report.warn_if_contended(conditions, "compare")
     if args.out:

@@ -7,11 +7,13 @@ attention, model (`--layers L --dtype bfloat16|fp8 --remat POLICY`) and combine 
 head_dim, causal and packed (two documents a row), and each one's largest difference from xla.
 `model`: DeepSeek-7B width (configs/deepseek_7b.py, one device) with `--layers` layers at S 4096:
 warmup steps, then the median of the timed ones, the loss at the first and last step, compile
-seconds, and the process's peak device memory (the process runs this one configuration).
+seconds, the process's peak device memory (the process runs this one configuration), and the
+joules per token of the timed steps (NVML's energy counter; null off GPU).
 `combine`: the rows of a folder -> per-layer ms and fixed ms from the two depths, the
 extrapolated full-depth (30-layer) MFU against the datasheet peak and the measured bf16 ceiling,
-fp8's speed-up and loss gap; writes {"device", "jax", "rows", "mfu_bf16_full_depth",
-"mfu_fp8_full_depth", "fp8_speedup", "fp8_loss_gap", ...}. `--preset smoke` makes every
+fp8's speed-up, loss gap and energy per token against bf16 (at the deeper measured depth);
+writes {"device", "jax", "rows", "mfu_bf16_full_depth", "mfu_fp8_full_depth", "fp8_speedup",
+"fp8_loss_gap", "fp8_energy_ratio", ...}. `--preset smoke` makes every
 piece tiny, for the CPU dry run.
 """
 
@@ -127,20 +129,26 @@ def model(size: dict, layers: int, dtype: str, remat: str, config: str) -> dict:
         "segment_ids": np.ones((1, S), np.int32), "positions": np.arange(S, dtype=np.int32)[None],
         "weights": np.ones((1, S), np.float32)})
     state, losses, times = trainer.init(), [], []
+    device = jax.devices()[0]
     t0 = time.perf_counter()
     for i in range(size["warmup"] + size["timed"]):
+        if i == size["warmup"]:
+            energy_start = mx.energy_joules([device])  # NVML; None off GPU
         t = time.perf_counter()
         state, m = trainer.step(state, batch)
         losses.append(float(m["loss"]))  # waits: each step is timed whole
         times.append(time.perf_counter() - t)
         if i == 0:
             compile_s = time.perf_counter() - t0
-    stats = jax.devices()[0].memory_stats() or {}
+    energy_end = mx.energy_joules([device])
+    stats = device.memory_stats() or {}
     step_s = statistics.median(times[size["warmup"]:])
+    joules = (None if energy_start is None or energy_end is None
+              else (energy_end - energy_start) / (size["timed"] * S))
     return {"layers": layers, "dtype": dtype, "remat": remat, "seq_len": S,
             "attention_impl": trainer.model.attention_impl(S), "step_ms": 1000 * step_s,
             "flops_per_step": mx.flops_per_token(cfg.model, S) * S, "compile_s": compile_s,
-            "first_loss": losses[0], "last_loss": losses[-1],
+            "first_loss": losses[0], "last_loss": losses[-1], "joules_per_token": joules,
             "peak_bytes": stats.get("peak_bytes_in_use"), "model": dataclasses.asdict(cfg.model)}
 
 
@@ -175,7 +183,8 @@ def combine(folder: str) -> dict:
                        "mfu": flops / (step_ms / 1000) / peak,
                        "mfu_vs_measured_bf16": (flops / (step_ms / 1000) / ceil["bf16_gemm_flops"]
                                                 if ceil else None),
-                       "last_loss": hi["last_loss"]}
+                       "last_loss": hi["last_loss"],
+                       "joules_per_token_at_depth": hi.get("joules_per_token")}
     out["full_depth"] = full
     out["mfu_bf16_full_depth"] = full.get("bfloat16", {}).get("mfu")
     out["mfu_fp8_full_depth"] = full.get("fp8", {}).get("mfu")
@@ -183,6 +192,8 @@ def combine(folder: str) -> dict:
     out["fp8_speedup"] = full["bfloat16"]["step_ms"] / full["fp8"]["step_ms"] if both else None
     out["fp8_loss_gap"] = ((full["fp8"]["last_loss"] - full["bfloat16"]["last_loss"])
                            / full["bfloat16"]["last_loss"] if both else None)
+    energy = [full[d]["joules_per_token_at_depth"] for d in ("bfloat16", "fp8")] if both else []
+    out["fp8_energy_ratio"] = energy[1] / energy[0] if energy and None not in energy else None
     return out
 
 

@@ -17,7 +17,8 @@ no document ids, so dsjax is given none either). PyTorch runs eager (no torch.co
 dsjax runs twice: on a one-device mesh (1, 1, 1), like for like with one PyTorch process using
 every core, and on the config's own mesh of simulated CPU devices (cpu_tiny: 2 x 2 x 2 = 8, sharing
 the same cores, so it pays for the collectives without gaining any hardware). Each trainer runs in
-a process of its own (`--worker`), so it has only its own devices and threads: the one-device
+a process of its own (`--worker`, benchmarks/workers.py), so it has only its own devices and
+threads: the one-device
 step is 15% slower in a process that also simulates 8 devices. After warmup steps (compilation;
 PyTorch's first steps allocate), the processes alternate rounds of `--round` steps, so machine
 drift hits all of them; tokens/s is the median over rounds.
@@ -42,12 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import maxtext_peer  # noqa: E402  (benchmarks/maxtext_peer.py)
 import report  # noqa: E402  (benchmarks/report.py)
+import workers  # noqa: E402  (benchmarks/workers.py)
 from compare import DEFAULT_DATA_DIR, host_batches  # noqa: E402  pylint: disable=C0413
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 from step_time import _load  # noqa: E402  pylint: disable=wrong-import-position
 
 WORKERS = ("dsjax_one", "dsjax_mesh", "transformers")
-PROTOCOL = "@peers "  # prefix of the lines a worker answers with on stdout
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -181,11 +182,24 @@ def prepared(args: argparse.Namespace):
     return cfg, one, total
 
 
+class _Served:
+    """What a `--worker` process serves (benchmarks/workers.py): one trainer, round by round."""
+
+    def __init__(self, runner, info: dict):
+        self.runner, self.info = runner, info
+
+    def hello(self) -> dict:
+        r = self.runner
+        return {"name": r.name, "startup_s": r.startup_s, "losses": r.losses, **self.info}
+
+    def round(self, n: int) -> dict:
+        seconds = self.runner.run(n)
+        return {"seconds": seconds, "losses": self.runner.losses[-n:]}
+
+
 def worker_main(args: argparse.Namespace) -> None:
     """One trainer in this process (with only the devices it needs): builds it, runs its first
-    step, then for each line `n` on stdin runs n steps and answers their seconds and losses."""
-    import json  # pylint: disable=import-outside-toplevel
-
+    step, then serves rounds of steps."""
     cfg, one, total = prepared(args)
     devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
     ensure_cpu_devices(devices if args.worker == "dsjax_mesh" else 1)
@@ -202,53 +216,28 @@ def worker_main(args: argparse.Namespace) -> None:
         runner = DsjaxRunner(f"dsjax {sharding_shape(cfg)}" if mesh else "dsjax (1,1,1)",
                              cfg if mesh else one, host)
         info = {"jax": jax.__version__, "params": runner.trainer.param_count}
-
-    def answer(**fields):
-        print(PROTOCOL + json.dumps(fields), flush=True)
-
-    answer(name=runner.name, startup_s=runner.startup_s, losses=runner.losses, **info)
-    for line in sys.stdin:
-        n = int(line)
-        seconds = runner.run(n)
-        answer(seconds=seconds, losses=runner.losses[-n:])
+    workers.serve(_Served(runner, info))
 
 
 class WorkerRunner:
-    """A `--worker` process of this script, driven round by round like an in-process runner;
-    each trainer then runs with only the devices and threads of its own process."""
+    """A `--worker` process of this script, driven round by round like an in-process runner."""
 
     def __init__(self, kind: str, argv: list[str]):
-        import subprocess  # pylint: disable=import-outside-toplevel
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
-                                      "--worker", kind], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        ready = self._answer()
-        self.name, self.startup_s, self.losses = ready["name"], ready["startup_s"], ready["losses"]
-        self.info = {k: v for k, v in ready.items() if k not in ("name", "startup_s", "losses")}
+        self.worker = workers.Worker(__file__, [*argv, "--worker", kind], kind)
+        ready = dict(self.worker.hello)
+        self.name, self.startup_s = ready.pop("name"), ready.pop("startup_s")
+        self.losses = ready.pop("losses")
+        self.info = ready
         self.done, self.rounds = len(self.losses), []
 
-    def _answer(self) -> dict:
-        import json  # pylint: disable=import-outside-toplevel
-        for line in self.proc.stdout:
-            if line.startswith(PROTOCOL):
-                return json.loads(line[len(PROTOCOL):])
-            print(line, end="", file=sys.stderr)
-        raise RuntimeError(f"peers: a worker ({self.proc.args[-1]}) exited with "
-                           f"{self.proc.wait()} (its output is above)")
-
     def run(self, n: int) -> float:
-        self.proc.stdin.write(f"{n}\n")
-        self.proc.stdin.flush()
-        reply = self._answer()
+        reply = self.worker.call("round", n=n)
         self.losses += reply["losses"]
         self.done += n
         return reply["seconds"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(60)
+        self.worker.close()
 
 
 def main(argv=None) -> dict:

@@ -1,17 +1,19 @@
-"""Side-by-side step time, tokens/s, MFU and memory of several configs, measured in one process.
+"""Side-by-side step time, tokens/s, MFU and memory of several configs, measured alternately.
 
   python benchmarks/step_time.py --config configs/h100_bf16.py --config configs/h100_fp8.py \
       --preset 1b --out benchmarks/results/step_time_1b.json
 
-Builds every config's trainer, then alternates rounds of `--steps` timed steps between them (so
-machine drift hits all of them), on synthetic packed batches. `--preset 1b` swaps in a ~1.2B
+Builds every config's trainer, each in a process of its own (benchmarks/workers.py: its own
+devices, XLA flag profile and memory), then alternates rounds of `--steps` timed steps between
+them (so machine drift hits all of them), on synthetic packed batches. `--preset 1b` swaps in a ~1.2B
 DeepSeek-architecture model on one device (the GPU suite's size); `--preset smoke` a tiny one for
 CPU. Reports medians per config and ratios to the first config; writes {"rows": [...],
 "ratios": {...}, "load_before", "load_after", "cores", "others_cpu_share", "contended"}
 (benchmarks/report.py: the load average at the start and after the timed rounds, and the share
 of the cores other processes used; a warning when the timing was contended).
-Memory: the device's peak bytes in use where it reports them, else the compiled step's
-memory_analysis (labelled).
+Memory: the device's peak bytes in use where it reports them (that config's process alone; on
+a GPU the processes share the device, allocating on demand, so all must fit at once), else the
+compiled step's memory_analysis (labelled).
 """
 
 import argparse
@@ -24,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py)
+import workers  # noqa: E402  (benchmarks/workers.py)
 from dsjax.config import load  # noqa: E402
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
@@ -56,6 +59,80 @@ def _load(spec: str):
     return load(path, report.parse_overrides(pairs))
 
 
+class _Served:
+    """What a `--worker` process serves (benchmarks/workers.py): one config's trainer, with only
+    its own devices, XLA flag profile and memory."""
+
+    def __init__(self, spec: str, preset: str | None):
+        cfg = _apply_preset(_load(spec), preset)
+        from dsjax.runtime import xla_flags  # pylint: disable=import-outside-toplevel
+        xla_flags.apply(cfg.mesh.xla_profile)  # before JAX starts, as launch.py does
+        ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+        import jax  # pylint: disable=import-outside-toplevel
+        import numpy as np  # pylint: disable=import-outside-toplevel
+        from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
+
+        self.spec, self.cfg = spec, cfg
+        self.trainer = trainer = build_trainer(cfg)
+        rng = np.random.default_rng(0)
+        B, S = cfg.data.global_batch, cfg.data.seq_len
+        tokens = rng.integers(0, min(cfg.model.vocab_size, 50000), (B, S + 1)).astype(np.int32)
+        host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                "segment_ids": np.ones((B, S), np.int32),
+                "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
+                "weights": np.ones((B, S), np.float32)}
+        self.batch = trainer.device_batch(host)
+        self.state = trainer.init()
+        t0 = time.perf_counter()
+        self.state, m = trainer.step(self.state, self.batch)
+        jax.block_until_ready(m)
+        self.compile_s = time.perf_counter() - t0
+        self.loss = float(m["loss"])
+
+    def hello(self) -> dict:
+        return {"compile_s": self.compile_s}
+
+    def round(self, steps: int) -> dict:
+        import jax  # pylint: disable=import-outside-toplevel
+
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.state, m = self.trainer.step(self.state, self.batch)
+        jax.block_until_ready(m)
+        seconds = (time.perf_counter() - t0) / steps
+        self.loss = float(m["loss"])
+        return {"seconds": seconds}
+
+    def finish(self, times: list[float]) -> dict:
+        """The row of this config, from the per-step seconds of its rounds."""
+        import jax  # pylint: disable=import-outside-toplevel
+        from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
+        from dsjax import sharding  # pylint: disable=import-outside-toplevel
+
+        cfg, trainer = self.cfg, self.trainer
+        peak, peak_source = mx.peak_flops_per_device(cfg.metrics.peak_flops_per_device)
+        devices = list(trainer.mesh.devices.flat)
+        step_s = statistics.median(times)
+        tokens = cfg.data.global_batch * cfg.data.seq_len
+        flops = mx.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+        stats = devices[0].memory_stats() or {}
+        mem, mem_source = stats.get("peak_bytes_in_use"), "device memory_stats peak (this config)"
+        if mem is None:
+            with sharding.activate(trainer.mesh, trainer.rules):
+                ma = trainer.jitted(0).lower(self.state, self.batch).compile().memory_analysis()
+            mem = ma.temp_size_in_bytes + ma.argument_size_in_bytes
+            mem_source = "compiled memory_analysis (temp + arguments, per device)"
+        return {"config": self.spec, "pid": os.getpid(), "compute_dtype": cfg.train.compute_dtype,
+                "remat": cfg.remat.policy, "step_ms": 1000 * step_s,
+                "tokens_per_sec": tokens / step_s,
+                "samples_per_sec": cfg.data.global_batch / step_s,
+                "mfu": flops / step_s / (peak * len(devices)),
+                "mem_bytes": mem, "mem_source": mem_source,
+                "compile_s": self.compile_s, "final_loss": self.loss,
+                "peak_flops_per_device": peak, "peak_source": peak_source,
+                "device": jax.devices()[0].device_kind}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", required=True,
@@ -64,74 +141,38 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", type=int, default=None,
+                        help=argparse.SUPPRESS)  # internal: serve the N-th --config
     args = parser.parse_args(argv)
+    if args.worker is not None:
+        return workers.serve(_Served(args.config[args.worker], args.preset))
+    for spec in args.config:
+        _apply_preset(_load(spec), args.preset)  # a bad config fails here, before any worker
+    passed = list(argv if argv is not None else sys.argv[1:])
 
     timing = report.timing_start()
-    cfgs = [_apply_preset(_load(c), args.preset) for c in args.config]
-    ensure_cpu_devices(max(c.mesh.data * c.mesh.tensor * c.mesh.pipeline for c in cfgs))
-    import jax  # pylint: disable=import-outside-toplevel
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
-    from dsjax import sharding  # pylint: disable=import-outside-toplevel
-    from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
-
-    peak, peak_source = mx.peak_flops_per_device()
-    runs = []
-    for name, cfg in zip(args.config, cfgs):
-        devices = jax.devices()[:cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline]
-        trainer = build_trainer(cfg, sharding.make_mesh(cfg, devices))
-        rng = np.random.default_rng(0)
-        B, S = cfg.data.global_batch, cfg.data.seq_len
-        tokens = rng.integers(0, min(cfg.model.vocab_size, 50000), (B, S + 1)).astype(np.int32)
-        host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                "segment_ids": np.ones((B, S), np.int32),
-                "positions": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
-                "weights": np.ones((B, S), np.float32)}
-        batch = trainer.device_batch(host)
-        state = trainer.init()
-        t0 = time.perf_counter()
-        state, m = trainer.step(state, batch)
-        jax.block_until_ready(m)
-        runs.append({"name": name, "cfg": cfg, "trainer": trainer, "state": state,
-                     "batch": batch, "times": [], "compile_s": time.perf_counter() - t0,
-                     "devices": devices})
-    for _ in range(args.rounds):
+    runs, times = [], {}
+    try:
+        for i, spec in enumerate(args.config):  # each builds and compiles its step
+            runs.append(workers.Worker(__file__, [*passed, "--worker", str(i)], spec))
+            times[i] = []
+        for _ in range(args.rounds):
+            for i, run in enumerate(runs):
+                times[i].append(run.call("round", steps=args.steps)["seconds"])
+        rows = [run.call("finish", times=times[i]) for i, run in enumerate(runs)]
+    finally:
         for run in runs:
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                run["state"], m = run["trainer"].step(run["state"], run["batch"])
-            jax.block_until_ready(m)
-            run["times"].append((time.perf_counter() - t0) / args.steps)
-            run["loss"] = float(m["loss"])
-    conditions = report.load_record(timing)
+            run.close()
+    conditions = report.load_record(timing)  # after the workers exit: their CPU time counts
 
-    rows = []
-    for run in runs:
-        cfg, step_s = run["cfg"], statistics.median(run["times"])
-        tokens = cfg.data.global_batch * cfg.data.seq_len
-        flops = mx.flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-        stats = run["devices"][0].memory_stats() or {}
-        mem, mem_source = stats.get("peak_bytes_in_use"), "device memory_stats peak (process)"
-        if mem is None:
-            with sharding.activate(run["trainer"].mesh, run["trainer"].rules):
-                ma = run["trainer"].jitted(0).lower(run["state"], run["batch"]).compile() \
-                    .memory_analysis()
-            mem = ma.temp_size_in_bytes + ma.argument_size_in_bytes
-            mem_source = "compiled memory_analysis (temp + arguments, per device)"
-        rows.append({"config": run["name"], "compute_dtype": cfg.train.compute_dtype,
-                     "remat": cfg.remat.policy, "step_ms": 1000 * step_s,
-                     "tokens_per_sec": tokens / step_s,
-                     "samples_per_sec": cfg.data.global_batch / step_s,
-                     "mfu": flops / step_s / (peak * len(run["devices"])),
-                     "mem_bytes": mem, "mem_source": mem_source,
-                     "compile_s": run["compile_s"], "final_loss": run["loss"]})
     base = rows[0]
     ratios = {r["config"]: {"step_ms": r["step_ms"] / base["step_ms"],
                             "tokens_per_sec": r["tokens_per_sec"] / base["tokens_per_sec"]}
               for r in rows}
+    peak, peak_source = base["peak_flops_per_device"], base["peak_source"]
     result = {"preset": args.preset, "peak_flops_per_device": peak, "peak_source": peak_source,
-              "device": jax.devices()[0].device_kind, "rows": rows, "ratios": ratios,
-              **conditions}
+              "device": base["device"], "rows": rows, "ratios": ratios,
+              "method": "each config in its own process, alternating rounds", **conditions}
     print(f"{'config':<32} {'dtype':<9} {'ms/step':>9} {'tok/s':>10} {'MFU':>6} "
           f"{'mem GiB':>8} {'x base':>7}")
     for r in rows:

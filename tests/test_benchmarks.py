@@ -45,7 +45,8 @@ SMOKE = {
     "compare": ("compare", ["--steps", "2", "--round", "1", "--out", "{out}"], "compare.json",
                 {"baseline", "candidate", "change_pct", *LOAD_KEYS}, None),
     "compare_overrides": ("compare", ["--baseline", "configs/h100_bf16.py:smoke", "--candidate",
-                                      "configs/h100_fp8.py:smoke|optim.name=adamw", "--steps",
+                                      "configs/h100_fp8.py:smoke|optim.name=adamw"
+                                      "|metrics.cost_per_gpu_hour=2.5", "--steps",
                                       "1", "--round", "1", "--out", "{out}"],
                           "compare.json", {"baseline", "candidate", "change_pct", *LOAD_KEYS},
                           None),
@@ -200,8 +201,11 @@ def run_smoke(name: str, out) -> tuple[str, dict]:
     if LOAD_KEYS <= keys:
         assert len(result["load_before"]) == len(result["load_after"]) == 3
         assert result["cores"] == os.cpu_count()
-        assert result["contended"] == (max(result["load_before"][0],
-                                           result["load_after"][0]) > result["cores"])
+        # The rule (test_load_record_marks_contention): other processes' share of the cores
+        # where /proc/stat tells it, else the load average.
+        share = result["others_cpu_share"]
+        assert result["contended"] == (share > report.OTHERS_MAX if share is not None else max(
+            result["load_before"][0], result["load_after"][0]) > result["cores"])
         assert ("not trustworthy" in proc.stdout) == result["contended"]
     return proc.stdout, result
 
@@ -224,9 +228,14 @@ def test_documented_command(name, tmp_path):
     if name == "step_time":
         assert [r["config"] for r in result["rows"]] == ["configs/h100_bf16.py",
                                                          "configs/h100_fp8.py"]
+        assert result["rows"][0]["pid"] != result["rows"][1]["pid"]  # a process each
     elif name == "compare_overrides":
-        assert result["candidate"]["optim"] == "adamw"
-        assert result["candidate"]["compute_dtype"] == "fp8"
+        cand = result["candidate"]
+        assert cand["optim"] == "adamw" and cand["compute_dtype"] == "fp8"
+        # 2.5 per device-hour x 8 devices, for a million tokens at the measured rate
+        assert cand["cost_per_mtok"] == pytest.approx(2.5 * 8 / 3600 / cand["tokens_per_sec"]
+                                                      * 1e6)
+        assert result["baseline"]["cost_per_mtok"] is None  # no price: absent
     elif name == "pipeline_table":
         by_schedule = {r["schedule"]: r for r in result["rows"]}
         assert set(by_schedule) == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
@@ -362,8 +371,16 @@ def test_compare_smoke_configs(tmp_path):
     assert [h["step"] for h in base["history"]] == [h["step"] for h in cand["history"]]
     assert result["warmup_steps"] == 5 and len(base["history"]) == 5 + 2
     assert set(result["change_pct"]) == set(compare.FIGURES)
+    # CPU: no energy counter and no price set; absent (null), not zero.
+    for key in ("joules_per_sample", "joules_per_token", "cost_per_mtok"):
+        assert base[key] is None and cand[key] is None and "n/a" in printed, key
     for key, change in result["change_pct"].items():
+        if base[key] is None:
+            assert change is None, key
+            continue
         assert change == pytest.approx(100 * (cand[key] - base[key]) / base[key]), key
+    # Each side trained in a process of its own.
+    assert base["pid"] != cand["pid"]
     # These two trained alike (final losses within 5%): a verdict, not "diverged".
     assert result["diverged"] is False and "DIVERGED" not in printed
     # The H200 run's fp8 + 1-bit candidate: loss 64 against 5.6, printed as "+1.1% samples/s".
@@ -500,11 +517,13 @@ def test_gpu_mfu_script_dry_runs_on_cpu(tmp_path):
     with open(tmp_path / "gpu_mfu.json", encoding="utf-8") as f:
         result = json.load(f)
     assert {"device", "jax", "rows", "mfu_bf16_full_depth", "mfu_fp8_full_depth",
-            "fp8_speedup", "fp8_loss_gap"} <= set(result)
+            "fp8_speedup", "fp8_loss_gap", "fp8_energy_ratio"} <= set(result)
     rows = {(r["dtype"], r["layers"]): r for r in result["rows"]}
     assert set(rows) == {(d, n) for d in ("bfloat16", "fp8") for n in (2, 6)}
     for r in rows.values():
         assert r["step_ms"] > 0 and r["compile_s"] > 0 and r["last_loss"] < r["first_loss"]
+        assert r["joules_per_token"] is None  # CPU: no energy counter, absent, not zero
+    assert result["fp8_energy_ratio"] is None
     # The extrapolation, by hand from the rows: 4 layers apart, then 30 layers.
     lo, hi = rows["bfloat16", 2], rows["bfloat16", 6]
     per_layer = (hi["step_ms"] - lo["step_ms"]) / 4
