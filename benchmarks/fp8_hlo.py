@@ -99,7 +99,8 @@ def main(argv=None) -> dict:
         cfg = step_time._apply_preset(cfg, args.preset)  # pylint: disable=protected-access
     ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
     import jax  # pylint: disable=import-outside-toplevel
-    from dsjax import fp8, sharding  # pylint: disable=import-outside-toplevel
+    from dsjax import sharding  # pylint: disable=import-outside-toplevel
+    from dsjax.metrics import gemms  # pylint: disable=import-outside-toplevel
     from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
     cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="none",
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
     with sharding.activate(trainer.mesh, trainer.rules):
         lowered = trainer.jitted(0).lower(state, batch)
-    dots = fp8.dot_general_dtypes(lowered.as_text())
+    dots = gemms.dot_general_dtypes(lowered.as_text())
     is_fp8 = lambda d: any(t.startswith("f8") for t in d[:2])
     kinds = collections.Counter(" x ".join(d[:2]) + " -> " + d[2] for d in dots)
     expected_fp8, expected_high = expected_counts(trainer)
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
               "backend": jax.devices()[0].platform, "dots": dict(kinds)}
     if jax.devices()[0].platform == "gpu":
         hlo = lowered.compile().as_text()
-        result["cublas_fp8_gemms"] = fp8.fp8_gemm_calls(hlo)
+        result["cublas_fp8_gemms"] = gemms.fp8_gemm_calls(hlo)
         result["triton_fp8_fusions"] = len(re.findall(r"__triton_gemm[^\n]*f8e", hlo))
         # Output shapes of the cuBLASLt fp8 calls: set against fp8_gemm_shapes, a call wider
         # than any dot is two dots sharing an operand that XLA's dot merger joined.

@@ -89,10 +89,11 @@ class _Spec:
     x_dtype: Any
     w_dtype: Any
     amax_dtype: Any
+    prepared: bool = False  # w arrives quantised too (an `Fp8Weight`)
 
 
 def _make_spec(x: jax.Array, w: jax.Array, x_contract, w_contract, out_perm, recipe, out_dtype,
-               amax_dtype) -> _Spec:
+               amax_dtype, prepared: bool = False) -> _Spec:
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r} is not one of {RECIPES}")
     x_contract, w_contract = tuple(x_contract), tuple(w_contract)
@@ -106,7 +107,7 @@ def _make_spec(x: jax.Array, w: jax.Array, x_contract, w_contract, out_perm, rec
     return _Spec(x_contract, w_contract, x_free, w_free, tuple(out_perm),
                  tuple(int(i) for i in np.argsort(dx_axes)),
                  tuple(int(i) for i in np.argsort(dw_axes)), recipe, out_dtype, x.dtype, w.dtype,
-                 amax_dtype)
+                 amax_dtype, prepared)
 
 
 def _transpose(a: jax.Array, perm: tuple[int, ...]) -> jax.Array:
@@ -154,7 +155,7 @@ def _pick(meta_scale: jax.Array, observed: jax.Array, dtype: Any, recipe: str) -
     return jnp.where(meta_scale > 0, meta_scale, fresh)  # first-step guard
 
 
-def _forward(spec: _Spec, x, w, scale, gemm=_gemm):
+def _forward(spec: _Spec, x, w, scale, prepared=None, gemm=_gemm):
     if spec.recipe == "rowwise":
         xq, sx = quantize_rows(x, spec.x_contract, E4M3)
         wq, sw = quantize_rows(w, spec.w_contract, E4M3)
@@ -163,11 +164,16 @@ def _forward(spec: _Spec, x, w, scale, gemm=_gemm):
         xq_t, sx_t = quantize_rows(x, spec.x_free, E4M3)
         wq_t, sw_t = quantize_rows(w, spec.w_free, E4M3)
         res = (xq_t, sx_t, wq_t, sw_t, scale[G], jnp.zeros((2,), jnp.float32))
+    elif prepared is not None:  # w quantised ahead (`prepare_weight`): the same values
+        seen = jnp.stack([amax(x), prepared.amax])
+        sx = _pick(scale[X], seen[X], E4M3, spec.recipe)
+        xq, wq, sw = quantize(x, sx, E4M3), prepared.q, prepared.scale
     else:
         seen = jnp.stack([amax(x), amax(w)])
         sx = _pick(scale[X], seen[X], E4M3, spec.recipe)
         sw = _pick(scale[W], seen[W], E4M3, spec.recipe)
         xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    if spec.recipe != "rowwise":
         y = _scaled_gemm(xq, wq, spec.x_contract, spec.w_contract, sx * sw, spec.out_dtype,
                          gemm)
         res = (xq, sx, wq, sw, scale[G], seen)
@@ -175,9 +181,9 @@ def _forward(spec: _Spec, x, w, scale, gemm=_gemm):
     return _transpose(y, spec.out_perm).astype(spec.out_dtype), res
 
 
-def _fp8_matmul_fwd(spec: _Spec, x, w, scale, amax_in):
+def _fp8_matmul_fwd(spec: _Spec, x, w, scale, amax_in, prepared):
     del amax_in  # only its gradient matters
-    return _forward(spec, x, w, scale)
+    return _forward(spec, x, w, scale, prepared)
 
 
 def _backward(spec: _Spec, res, dy, gemm=_gemm):
@@ -206,13 +212,17 @@ def _backward(spec: _Spec, res, dy, gemm=_gemm):
 
 def _fp8_matmul_bwd(spec: _Spec, res, dy):
     dx, dw, observed = _backward(spec, res, dy)
+    # The weight's gradient goes to w; a prepared copy is a constant (made under
+    # stop_gradient), so its cotangent is zero.
+    zero = jnp.zeros((), jnp.float32)
+    d_prepared = Fp8Weight(jnp.zeros(dw.shape, E4M3), zero, zero) if spec.prepared else None
     return (dx, dw, jnp.zeros((3,), jnp.float32),
-            lax.convert_element_type(observed, spec.amax_dtype))
+            lax.convert_element_type(observed, spec.amax_dtype), d_prepared)
 
 
-def _fp8_matmul_impl(spec: _Spec, x, w, scale, amax_in):
+def _fp8_matmul_impl(spec: _Spec, x, w, scale, amax_in, prepared):
     del amax_in
-    return _forward(spec, x, w, scale)[0]
+    return _forward(spec, x, w, scale, prepared)[0]
 
 
 _fp8_matmul = jax.custom_vjp(_fp8_matmul_impl, nondiff_argnums=(0,))
@@ -239,7 +249,7 @@ def fp8_dot_general(x: jax.Array, w: jax.Array,
     n_out = x.ndim + w.ndim - 2 * len(contracting_dims[0])
     spec = _make_spec(x, w, contracting_dims[0], contracting_dims[1], range(n_out), recipe,
                       out_dtype, amax_in.dtype)
-    return _fp8_matmul(spec, x, w, scale, amax_in)
+    return _fp8_matmul(spec, x, w, scale, amax_in, None)
 
 
 def parse_einsum(eq: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -265,14 +275,47 @@ def parse_einsum(eq: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, 
 
 
 def fp8_einsum(eq: str, x: jax.Array, w: jax.Array, *, recipe: str = "current",
-               out_dtype: Any = None, meta: Fp8Meta | None = None) -> jax.Array:
+               out_dtype: Any = None, meta: Fp8Meta | None = None,
+               prepared: Fp8Weight | None = None) -> jax.Array:
     """Drop-in for `jnp.einsum(eq, x, w)` on projections ("BSD,DHK->BSHK", "BSHK,HKD->BSD", ...):
     fp8 GEMMs forward and backward. Pass the float32 param as `w` (quantising it directly skips a
-    bf16 rounding); `out_dtype` defaults to x.dtype; `meta` only with recipe "delayed"."""
+    bf16 rounding); `out_dtype` defaults to x.dtype; `meta` only with recipe "delayed";
+    `prepared`: w already quantised by `prepare_weight` (same values), not with "rowwise"."""
     x_contract, w_contract, out_perm = parse_einsum(eq)
     scale, amax_in = _meta_inputs(recipe, meta)
-    spec = _make_spec(x, w, x_contract, w_contract, out_perm, recipe, out_dtype, amax_in.dtype)
-    return _fp8_matmul(spec, x, w, scale, amax_in)
+    if prepared is not None and recipe == "rowwise":
+        raise ValueError("fp8 recipe 'rowwise' quantises w along two axes; it takes no "
+                         "prepared weight")
+    spec = _make_spec(x, w, x_contract, w_contract, out_perm, recipe, out_dtype, amax_in.dtype,
+                      prepared is not None)
+    return _fp8_matmul(spec, x, w, scale, amax_in, prepared)
+
+
+@struct.dataclass
+class Fp8Weight:
+    """A weight quantised ahead of its matmuls (`prepare_weight`), so that a stack of layers is
+    quantised once before the layer loop, and with it once per optimizer step."""
+    q: jax.Array  # e4m3 values
+    scale: jax.Array  # f32[lead dims]: the dequantisation scale
+    amax: jax.Array  # f32[lead dims]: the weight's amax (delayed scaling records it)
+
+
+WEIGHTS_COLLECTION = "fp8_weights"  # the prepared weights a layer reads beside its params
+
+
+def prepare_weight(w: jax.Array, recipe: str, lead: int = 0,
+                   meta_scale: jax.Array | None = None) -> Fp8Weight:
+    """`w` quantised as `fp8_einsum` would quantise it, one per-tensor scale per index of its
+    `lead` leading dims (a stack of layers: 1). `meta_scale` [lead dims]: the delayed recipe's W
+    scale. The result is a constant: gradients reach the weight through `fp8_einsum`'s `w`."""
+    if recipe not in ("current", "delayed"):
+        raise ValueError(f"fp8 recipe {recipe!r}: only per-tensor recipes prepare weights")
+    w = lax.stop_gradient(w)
+    seen = amax(w, axis=tuple(range(lead, w.ndim)))
+    meta_scale = jnp.zeros_like(seen) if meta_scale is None else lax.stop_gradient(meta_scale)
+    scale = _pick(meta_scale, seen, E4M3, recipe)
+    return Fp8Weight(quantize(w, scale.reshape(scale.shape + (1,) * (w.ndim - lead)), E4M3),
+                     scale, seen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,27 +431,3 @@ def emulate_einsum(eq: str, x: jax.Array, w: jax.Array, dy: jax.Array, *,
     y, res = _forward(spec, x, w, scale, gemm=_gemm_emulated)
     dx, dw, _ = _backward(spec, res, dy, gemm=_gemm_emulated)
     return y, dx, dw
-
-
-_DOT_SIGNATURE = re.compile(
-    r"dot_general.*:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
-
-
-def _element_type(tensor_type: str) -> str:
-    return tensor_type.split(",")[0].split("x")[-1]
-
-
-def dot_general_dtypes(stablehlo: str) -> list[tuple[str, str, str]]:
-    """(lhs, rhs, result) element types of every dot_general in StableHLO text, e.g. from
-    `jax.jit(f).lower(...).as_text()`: [("f8E4M3FN", "f8E4M3FN", "f32"), ...]."""
-    found = []
-    for line in stablehlo.splitlines():
-        m = _DOT_SIGNATURE.search(line)
-        if m:
-            found.append(tuple(_element_type(t) for t in m.groups()))
-    return found
-
-
-def fp8_gemm_calls(compiled_hlo: str) -> int:
-    """How many cuBLASLt fp8 GEMMs a compiled GPU program calls (`compiled.as_text()`); 0 on CPU."""
-    return compiled_hlo.count("__cublas$lt$matmul$f8")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from dsjax import fp8
+from dsjax.metrics import gemms
 from dsjax.model.flash import block_schedule, flash_attention
 
 
@@ -167,7 +167,7 @@ def test_bfloat16_is_close_and_has_no_float32_dots():
         # results once more; 3% of the largest entry leaves room for that and nothing more.
         assert rel(np.asarray(g, np.float32), w) < 3e-2, (name, rel(np.asarray(g, np.float32), w))
 
-    dots = fp8.dot_general_dtypes(run.lower(q, k, v, dout, seg, 16, 8).as_text())
+    dots = gemms.dot_general_dtypes(run.lower(q, k, v, dout, seg, 16, 8).as_text())
     # qk and pv forward; dv, dp, dk, dq backward; the recomputed qk: 7 dots.
     assert len(dots) == 7, dots
     assert all(lhs == rhs == "bf16" and out == "f32" for lhs, rhs, out in dots), dots

@@ -3,7 +3,9 @@ reference of the recipes, error against unquantised float32, the rowwise recipe,
 state, what XLA is handed (StableHLO, dot counts derived from the config), and a Linen
 integration. Every RNG is seeded."""
 
+import collections
 import itertools
+import re
 
 import flax.linen as nn
 import jax
@@ -14,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax import fp8
+from dsjax.metrics import gemms
 
 # The projections of dsjax/model/layers.py, with distinct dim sizes so that a wrong transpose in
 # the backward bookkeeping is a shape error or a large numerical error, never hidden by symmetry.
@@ -428,20 +431,20 @@ def test_stablehlo_feeds_fp8_operands_to_dot_general():
         return jnp.sum(y.astype(jnp.float32) * c)
 
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
-    dots = fp8.dot_general_dtypes(text)
+    dots = gemms.dot_general_dtypes(text)
     # Each GEMM writes its consumer's dtype: the bfloat16 activation and its gradient, and a
     # float32 weight gradient (it is accumulated).
     assert sorted(dots) == sorted([("f8E4M3FN", "f8E4M3FN", "bf16"),  # forward
                                    ("f8E5M2", "f8E4M3FN", "bf16"),  # dx = g . w
                                    ("f8E5M2", "f8E4M3FN", "f32")]), dots  # dw = g . x
-    fwd = fp8.dot_general_dtypes(jax.jit(loss).lower(x, w).as_text())
+    fwd = gemms.dot_general_dtypes(jax.jit(loss).lower(x, w).as_text())
     assert fwd == [("f8E4M3FN", "f8E4M3FN", "bf16")], fwd
 
 
 def test_dot_general_dtypes_reads_plain_dots_too():
     text = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8), jnp.bfloat16),
                                              jnp.ones((8, 2), jnp.bfloat16)).as_text()
-    assert fp8.dot_general_dtypes(text) == [("bf16", "bf16", "bf16")]
+    assert gemms.dot_general_dtypes(text) == [("bf16", "bf16", "bf16")]
 
 
 def test_bad_calls_name_the_problem():
@@ -511,7 +514,7 @@ def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides, co
     batch = trainer.abstract_batch()
     with sharding.activate(trainer.mesh, trainer.rules):
         text = trainer.jitted(0).lower(trainer.abstract_state(), batch).as_text()
-    dots = fp8.dot_general_dtypes(text)
+    dots = gemms.dot_general_dtypes(text)
     fp8_dots = [d for d in dots if d[0].startswith("f8") or d[1].startswith("f8")]
     high = [d for d in dots if d not in fp8_dots]
     expected_fp8, expected_high = fp8_hlo.expected_counts(trainer)
@@ -585,3 +588,95 @@ def test_delayed_fp8_run_resumes_with_the_same_losses(tmp_path):
     first, second = losses(full), losses(resumed)
     # The amax history is in the checkpoint, so step 3's scales (and losses) are identical.
     assert second == {3: first[3], 4: first[4]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights quantised ahead of the layer loop (layers.prepare_fp8_weights).
+
+_QUANTISE = re.compile(r"= (f8e4m3fn\[[\d,]*\])\{[^}]*\} convert\(%clamp")  # fp8.quantize's end
+
+
+def _quantisations(compiled_hlo: str) -> tuple[collections.Counter, collections.Counter]:
+    """(e4m3 quantisations, by shape, in the computations the entry's while loops run; all of
+    them) in optimised HLO. A quantisation is fp8.quantize's last op: a clamped value converted
+    to e4m3 (the stacked residual buffers' converts are of other ops)."""
+    comps, calls, current, entry = {}, {}, None, None
+    for line in compiled_hlo.splitlines():
+        head = re.match(r"(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            current = head[2]
+            comps[current], calls[current] = [], set()
+            entry = current if head[1] else entry
+        elif current and line.startswith("  "):
+            comps[current].append(line)
+            for group, one in re.findall(
+                    r"(?:calls|to_apply|body|condition)=(?:\{([^}]*)\}|%?([\w.\-]+))", line):
+                calls[current] |= {c.strip().lstrip("%") for c in (group or one).split(",")}
+
+    def count(names):
+        return collections.Counter(m[1] for c in names for line in comps[c]
+                                   for m in [_QUANTISE.search(line)] if m)
+
+    looped = set()
+    for line in comps[entry]:
+        if " while(" in line:
+            todo = [re.search(r"body=%?([\w.\-]+)", line)[1]]
+            while todo:
+                c = todo.pop()
+                if c not in looped:
+                    looped.add(c)
+                    todo += calls.get(c, ())
+    return count(looped), count(comps)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_weights_are_quantised_once_per_step_outside_the_micro_batch_loop(recipe):
+    """With accumulation the micro-batches run in a while loop. Each projection's stack of 4
+    layers is quantised once, before that loop (XLA hoists the loop-invariant quantisation);
+    inside it only activations are quantised. Without the preparation each layer's weight was
+    quantised inside the loop, once per micro-batch."""
+    from dsjax import batching, sharding
+    from dsjax.train import build_trainer
+
+    cfg = _train_cfg(**{"fp8.recipe": recipe})
+    trainer = build_trainer(cfg)
+    shape = batching.Shape(cfg.data.global_batch, 2, trainer.mesh.shape["data"])
+    with sharding.activate(trainer.mesh, trainer.rules):
+        hlo = trainer.programs.jitted(0, shape).lower(
+            trainer.abstract_state(), batching.abstract_batch(
+                trainer.batch_shardings, shape, cfg.data.seq_len)).compile().as_text()
+    inside, everywhere = _quantisations(hlo)
+    # By hand, per device (tensor 2: 2 of 4 query heads, 1 of 2 kv heads, 64 of 128 MLP):
+    # 4 layers x D 64; q [4, 64, 2, 16], k and v [4, 64, 1, 16], o [4, 2, 16, 64], gate and
+    # up [4, 64, 64], down [4, 64, 64].
+    weights = {"f8e4m3fn[4,64,2,16]": 1, "f8e4m3fn[4,64,1,16]": 2, "f8e4m3fn[4,2,16,64]": 1,
+               "f8e4m3fn[4,64,64]": 3}
+    assert cfg.mesh.tensor == 2 and cfg.model.num_layers == 4
+    assert {k: everywhere[k] for k in weights} == weights, everywhere
+    assert not any(shape.startswith("f8e4m3fn[4,") for shape in inside), inside
+    assert sum(inside.values()) > 0, inside  # the activations are, per micro-batch
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_prepared_weights_train_bit_for_bit_like_quantising_in_each_matmul(recipe, monkeypatch):
+    """The preparation changes where the weights are quantised, not the numbers: one training
+    step (params, optimizer state, delayed-scaling state) equals the same step with every matmul
+    quantising its own weight slice."""
+    from conftest import random_batch
+    from dsjax.model import decoder
+    from dsjax.train import build_trainer
+
+    cfg = _train_cfg(**{"fp8.recipe": recipe, "fp8.keep_first_layers": 1})
+    batch = random_batch(np.random.default_rng(3), 8, 32)
+
+    def one_step():
+        trainer = build_trainer(cfg)
+        state, m = trainer.step(trainer.init(), trainer.device_batch(batch))
+        return float(m["loss"]), jax.device_get((state.params, state.opt_state, state.fp8_meta))
+
+    prepared = one_step()
+    monkeypatch.setattr(decoder, "prepare_fp8_weights", lambda stack, policy: {})
+    per_matmul = one_step()
+    assert prepared[0] == per_matmul[0]
+    for a, b in zip(jax.tree.leaves(prepared[1]), jax.tree.leaves(per_matmul[1])):
+        np.testing.assert_array_equal(a, b)

@@ -15,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import ROOT, random_batch
 from dsjax import config as config_lib
-from dsjax import fp8, sharding, train
+from dsjax import sharding, train
+from dsjax.metrics import gemms
 from dsjax.config import ConfigError, ModelConfig
 from dsjax.model.chunked_loss import chunked_cross_entropy, output_logits
 from dsjax.model.decoder import Transformer
@@ -175,7 +176,7 @@ def _grad_of_chunked(chunk):
 def test_bfloat16_step_has_no_float32_dot():
     x, head, targets, weights = _inputs(2, 40, 16, 64, dtype=jnp.bfloat16)
     text = jax.jit(_grad_of_chunked(16)).lower(x, head, targets, weights).as_text()
-    dots = fp8.dot_general_dtypes(text)
+    dots = gemms.dot_general_dtypes(text)
     # Forward logits (twice: once recomputed), dx and dhead: bf16 operands, f32 accumulation.
     assert len(dots) >= 3 and all(d[:2] == ("bf16", "bf16") for d in dots), dots
     assert all(d[2] == "f32" for d in dots), dots
@@ -184,7 +185,7 @@ def test_bfloat16_step_has_no_float32_dot():
     # had two; tests/test_precision.py).
     plain = jax.grad(lambda x, h: weighted_cross_entropy(output_logits(x, h, jnp.bfloat16),
                                                          targets, weights)[0], (0, 1))
-    plain_dots = fp8.dot_general_dtypes(jax.jit(plain).lower(x, head).as_text())
+    plain_dots = gemms.dot_general_dtypes(jax.jit(plain).lower(x, head).as_text())
     assert len(plain_dots) == 3 and ("f32", "f32", "f32") not in plain_dots, plain_dots
 
 

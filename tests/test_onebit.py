@@ -18,9 +18,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from conftest import FLAT_MESH, ROOT, TINY_FLAGS, random_batch, read_records, run_launch
-from dsjax import batching, fp8, sharding
+from dsjax import batching, sharding
 from dsjax import config as config_lib
 from dsjax import metrics as mx
+from dsjax.metrics import gemms
 from dsjax.checkpoint import Checkpointer
 from dsjax.train import build_trainer
 from dsjax.train import resume as resume_lib
@@ -883,7 +884,7 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
             text = trainer.programs.jitted(phase, shape).lower(
                 trainer.abstract_state(), batching.abstract_batch(
                     trainer.batch_shardings, shape, trainer.cfg.data.seq_len)).as_text()
-        dots = fp8.dot_general_dtypes(text)
+        dots = gemms.dot_general_dtypes(text)
         forward = dots.count(("f8E4M3FN", "f8E4M3FN", "f32"))
         backward = dots.count(("f8E5M2", "f8E4M3FN", "f32"))
         print(f"phase {phase}, accumulation {accum}: {forward} fp8 forward dots, {backward} "

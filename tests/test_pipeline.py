@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, random_batch, run_launch
 from dsjax import config as config_lib
 from dsjax import fp8, pipeline, sharding, train
+from dsjax.metrics import gemms
 from dsjax.config import ConfigError
 from dsjax.model.loss import ModelLoss, loss_fn
 from dsjax.pipeline import stages as stages_lib
@@ -600,7 +601,7 @@ def test_every_schedule_step_has_each_fp8_dot_once(schedule, repeats):
     with sharding.activate(trainer.mesh, trainer.rules):
         text = trainer.jitted(0).lower(trainer.abstract_state(),
                                        trainer.abstract_batch()).as_text()
-    dots = fp8.dot_general_dtypes(text)
+    dots = gemms.dot_general_dtypes(text)
     fp8_dots = [d for d in dots if any(t.startswith("f8") for t in d[:2])]
     assert (len(fp8_dots), len(dots) - len(fp8_dots)) == fp8_hlo.expected_counts(trainer)
     assert (len(fp8_dots), len(dots) - len(fp8_dots)) == (21, 10)

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT
 from dsjax import config as config_lib
-from dsjax import fp8, sharding
+from dsjax import sharding
+from dsjax.metrics import gemms
 from dsjax.model.dots import einsum_f32
 from dsjax.train import build_trainer
 
@@ -30,9 +31,9 @@ def test_einsum_f32_backward_runs_in_the_compute_dtype():
     a, b = jnp.asarray(a64, jnp.bfloat16), jnp.asarray(b64, jnp.bfloat16)
     assert einsum_f32("bsk,btk->bst", a, b).dtype == jnp.float32
     # The plain einsum's transpose multiplies the float32 cotangent with the upcast operand.
-    assert F32_F32(fp8.dot_general_dtypes(_grad_text(loss(plain), a, b))) == [("f32", "f32",
+    assert F32_F32(gemms.dot_general_dtypes(_grad_text(loss(plain), a, b))) == [("f32", "f32",
                                                                                 "f32")] * 2
-    dots = fp8.dot_general_dtypes(_grad_text(loss(einsum_f32), a, b))
+    dots = gemms.dot_general_dtypes(_grad_text(loss(einsum_f32), a, b))
     assert dots == [("bf16", "bf16", "f32"), ("bf16", "bf16", "bf16"), ("bf16", "bf16", "bf16")]
     # The values: the float64 gradients of sum(sin(a b^T)), to bf16's rounding of the cotangent.
     s = np.einsum("bsk,btk->bst", np.asarray(a, np.float64), np.asarray(b, np.float64))
@@ -72,7 +73,7 @@ MOE = {"model.n_routed_experts": 12, "model.num_experts_per_tok": 2, "model.n_sh
 @pytest.mark.parametrize("impl", ["xla", "flash"])
 @pytest.mark.parametrize("loss_chunk", [0, 16])
 def test_a_bfloat16_dense_step_has_no_float32_x_float32_dot(impl, loss_chunk):
-    dots = fp8.dot_general_dtypes(_step_text({"model.attention_impl": impl,
+    dots = gemms.dot_general_dtypes(_step_text({"model.attention_impl": impl,
                                               "model.loss_chunk": loss_chunk}))
     assert ("bf16", "bf16", "f32") in dots  # the attention logits and the head kept float32
     assert F32_F32(dots) == [], (impl, loss_chunk, dots)
@@ -81,7 +82,7 @@ def test_a_bfloat16_dense_step_has_no_float32_x_float32_dot(impl, loss_chunk):
 def _dot_shapes(text):
     """(lhs, rhs, result) shapes of every dot_general, in the order of `dot_general_dtypes`."""
     return [tuple(tuple(int(d) for d in t.split("x")[:-1]) for t in m.groups())
-            for m in map(fp8._DOT_SIGNATURE.search, text.splitlines()) if m]
+            for m in map(gemms._DOT_SIGNATURE.search, text.splitlines()) if m]
 
 
 def test_a_bfloat16_moe_step_runs_float32_dots_only_in_the_router():
@@ -89,7 +90,7 @@ def test_a_bfloat16_moe_step_runs_float32_dots_only_in_the_router():
     decisions and the balance loss follow Hugging Face's float32 router): its forward and both
     gradients are the only float32 x float32 dots, each with the 12 experts as an axis."""
     text = _step_text({**MOE, "model.attention_impl": "flash", "model.loss_chunk": 16})
-    dots = fp8.dot_general_dtypes(text)
+    dots = gemms.dot_general_dtypes(text)
     shapes = _dot_shapes(text)
     assert len(shapes) == len(dots)
     f32 = [s for d, s in zip(dots, shapes) if d[0] == "f32" and d[1] == "f32"]

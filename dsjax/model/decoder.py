@@ -19,7 +19,8 @@ from dsjax.config import ModelConfig
 from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
 from dsjax.model.loss import AUX, head_nll
-from dsjax.model.layers import Attention, RMSNorm, SwiGLU, _param, rms_norm
+from dsjax.model.layers import (ROUTED_EXPERTS, Attention, RMSNorm, SwiGLU, _param,
+                                prepare_fp8_weights, rms_norm)
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
 
@@ -62,7 +63,8 @@ class DecoderBlock(nn.Module):
         h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)
         stats = None
         if self.moe:
-            mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_policy=self.fp8_policy, name="moe")
+            mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_policy=self.fp8_policy,
+                      name=ROUTED_EXPERTS)
             mlp_BSD, stats = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
         else:
             mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, self.fp8_policy, name="mlp")
@@ -286,6 +288,7 @@ class Transformer(nn.Module):
                    moe: bool = False) -> tuple[jax.Array, list[Any]]:
         """Layers [lo, hi) (default: all) on x [B, S, D]. `stack` holds their variables
         ({"params": ...}, with delayed fp8 also {"fp8_meta": ...}) on a leading axis of hi - lo.
+        The fp8 layers' projection weights are quantised here, before the layer loop.
         Returns x and the MoE stats of each segment (empty for dense layers). Needs no bound
         module: a pipeline stage runs its slice of the stack through it (dsjax.pipeline)."""
         hi = self.cfg.num_layers if hi is None else hi
@@ -294,9 +297,12 @@ class Transformer(nn.Module):
             fns = [self._layer_fn(p, use_fp8, positions_BS, segment_ids_BS, moe)
                    for p in pattern]
             G = len(pattern)
+            segment = jax.tree.map(lambda a: a[start - lo:end - lo], stack)
+            policy = self.fp8_policy
+            if use_fp8 and policy is not None and policy.recipe in ("current", "delayed"):
+                segment[fp8.WEIGHTS_COLLECTION] = prepare_fp8_weights(segment, policy)
             grouped = jax.tree.map(
-                lambda a: a[start - lo:end - lo].reshape((end - start) // G, G, *a.shape[1:]),
-                stack)
+                lambda a: a.reshape((end - start) // G, G, *a.shape[1:]), segment)
 
             def group_body(x_BSD, group_vars, fns=fns):
                 stats = []

@@ -22,12 +22,45 @@ from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (
 
 Dtype = Any
 TOKENS = "n"  # the flattened B x S dim of a projection (`_project`)
+# Projection params whose fp8 policy name is another's: MLA's low-rank q and kv factors.
+POLICY_NAMES = {"q_a": "q", "q_b": "q", "kv_a": "k", "kv_b": "k"}
+ROUTED_EXPERTS = "moe"  # the MoE module's name: its expert weights are not projections
 
 
-def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array,
-             policy_name: str | None = None) -> jax.Array:
-    """One projection matmul: fp8 GEMMs if the precision policy names it (`policy_name`, default
-    `name`), else the compute dtype.
+def policy_name(param: str) -> str:
+    """The fp8 precision policy's name (q, k, v, o, gate, up, down) for projection param
+    `param`."""
+    return POLICY_NAMES.get(param, param)
+
+
+def prepare_fp8_weights(stack: dict, policy: fp8.Fp8Policy) -> dict:
+    """The `fp8.WEIGHTS_COLLECTION` of a stack of layers ({"params": ..., and with delayed
+    scaling "fp8_meta": ...}, each leaf on a leading layers dim): every projection weight the
+    policy runs in fp8, quantised for all layers at once (`fp8.prepare_weight`). Quantised here,
+    before the layer loop, the weights are loop-invariant in the micro-batch loop, which XLA
+    then quantises once per step. Routed experts are left out: they quantise per expert, in
+    their own call."""
+    meta = stack.get(fp8.META_COLLECTION)
+
+    def walk(params: dict, meta: dict | None, parent: str) -> dict:
+        out = {}
+        for key, value in params.items():
+            if isinstance(value, dict):
+                sub = walk(value, None if meta is None else meta.get(key), key)
+                if sub:
+                    out[key] = sub
+            elif parent != ROUTED_EXPERTS and policy.runs(policy_name(key)) and value.ndim >= 3:
+                scale = None if meta is None else meta[key].scale[..., fp8.W]
+                out[key] = fp8.prepare_weight(value, policy.recipe, lead=1, meta_scale=scale)
+        return out
+
+    return walk(stack["params"], meta, "")
+
+
+def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """One projection matmul: fp8 GEMMs if the precision policy names it (`policy_name(name)`),
+    else the compute dtype. In fp8 it uses the weight `prepare_fp8_weights` quantised ahead
+    where the layer has one.
 
     `eq` starts with the token dims "BS" on x and on the output; they are flattened into one
     before the matmul, so that the weight gradient contracts one dim, not two: XLA:CPU runs the
@@ -42,10 +75,12 @@ def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array,
     flat = f"{TOKENS}{x_dims[2:]},{w_dims}->{TOKENS}{out_dims[2:]}"
     x_n = x.reshape(-1, *x.shape[2:])
     policy = module.fp8_policy
-    if policy is not None and policy.runs(policy_name or name):
+    if policy is not None and policy.runs(policy_name(name)):
         meta = fp8.meta_variable(module, name, policy.history) if policy.delayed else None
+        prepared = (module.get_variable(fp8.WEIGHTS_COLLECTION, name)
+                    if module.has_variable(fp8.WEIGHTS_COLLECTION, name) else None)
         y_n = fp8.fp8_einsum(flat, x_n, w, recipe=policy.recipe, out_dtype=module.dtype,
-                             meta=meta)
+                             meta=meta, prepared=prepared)
     else:
         y_n = jnp.einsum(flat, x_n.astype(module.dtype), w.astype(module.dtype))
     return y_n.reshape(*x.shape[:2], *y_n.shape[1:])

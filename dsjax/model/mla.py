@@ -126,9 +126,9 @@ class MLA(nn.Module):
             w_qa = _param(self, "q_a", (D, self.q_lora_rank), ("embed", None), std)
             w_qb = _param(self, "q_b", (self.q_lora_rank, H, A + P), (None, "heads", "head_dim"),
                           std)
-            q_BSc = _project(self, "q_a", "BSD,Dc->BSc", x, w_qa, "q")
+            q_BSc = _project(self, "q_a", "BSD,Dc->BSc", x, w_qa)
             q_BSc = RMSNorm(self.norm_eps, name="q_norm")(q_BSc)
-            q_BSHK = _project(self, "q_b", "BSc,cHK->BSHK", q_BSc, w_qb, "q")
+            q_BSHK = _project(self, "q_b", "BSc,cHK->BSHK", q_BSc, w_qb)
         else:
             w_q = _param(self, "q", (D, H, A + P), ("embed", "heads", "head_dim"), std)
             q_BSHK = _project(self, "q", "BSD,DHK->BSHK", x, w_q)
@@ -136,11 +136,11 @@ class MLA(nn.Module):
         w_kvb = _param(self, "kv_b", (C, H, A + U), (None, "heads", "head_dim"), std)
         w_o = _param(self, "o", (H, U, D), ("heads", "head_dim", "embed"), std)
 
-        kv_BSc = _project(self, "kv_a", "BSD,Dc->BSc", x, w_kva, "k")
+        kv_BSc = _project(self, "kv_a", "BSD,Dc->BSc", x, w_kva)
         latent_BSC, k_pe_BSP = kv_BSc[..., :C], kv_BSc[..., C:]
         latent_BSC = checkpoint_name(RMSNorm(self.norm_eps, name="kv_norm")(latent_BSC),
                                      "kv_latent")
-        kv_BSHK = _project(self, "kv_b", "BSC,CHK->BSHK", latent_BSC, w_kvb, "k")
+        kv_BSHK = _project(self, "kv_b", "BSC,CHK->BSHK", latent_BSC, w_kvb)
         k_nope_BTHA, v_BTHU = kv_BSHK[..., :A], kv_BSHK[..., A:]
 
         inv_freq, attention_factor = rope_frequencies(

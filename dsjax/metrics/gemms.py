@@ -1,0 +1,30 @@
+"""GEMMs in a program's text: the element types of every `dot_general` in StableHLO, and the
+cuBLASLt fp8 GEMMs of compiled GPU HLO. Used to check what XLA is handed and what it made of it
+(the fp8 path, the precision policy, the attention and loss dtypes)."""
+
+from __future__ import annotations
+
+import re
+
+_DOT_SIGNATURE = re.compile(
+    r"dot_general.*:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
+
+
+def _element_type(tensor_type: str) -> str:
+    return tensor_type.split(",")[0].split("x")[-1]
+
+
+def dot_general_dtypes(stablehlo: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot_general in StableHLO text, e.g. from
+    `jax.jit(f).lower(...).as_text()`: [("f8E4M3FN", "f8E4M3FN", "f32"), ...]."""
+    found = []
+    for line in stablehlo.splitlines():
+        m = _DOT_SIGNATURE.search(line)
+        if m:
+            found.append(tuple(_element_type(t) for t in m.groups()))
+    return found
+
+
+def fp8_gemm_calls(compiled_hlo: str) -> int:
+    """How many cuBLASLt fp8 GEMMs a compiled GPU program calls (`compiled.as_text()`); 0 on CPU."""
+    return compiled_hlo.count("__cublas$lt$matmul$f8")
