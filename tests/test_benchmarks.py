@@ -405,6 +405,38 @@ def test_compare_smoke_configs(tmp_path):
     assert os.path.isdir(out / base["profile"])
 
 
+def test_compare_energy_counts_the_timed_rounds_only(monkeypatch):
+    """compare's energy per sample: the NVML counter read around each timed round (a stand-in
+    here: 10 J per step the devices ran), summed over the timed rounds, never the warmup; a
+    reading that goes missing makes it absent, not a partial sum."""
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
+
+    ran = [0]
+
+    class Trainer:  # what Side uses of a trainer: a mesh's devices and step
+        class mesh:  # pylint: disable=invalid-name
+            devices = np.array(["gpu0", "gpu1"], dtype=object)
+
+        def init(self):
+            return 0
+
+        def step(self, state, batch):
+            ran[0] += 1
+            return state + 1, {"loss": jnp.float32(1.0)}
+
+    monkeypatch.setattr(mx, "energy_joules", lambda devices: 10.0 * ran[0])
+    monkeypatch.setattr(mx, "device_utilisation", lambda device: None)
+    side = compare.Side("baseline", "spec", None, Trainer(), [{}])
+    side.run(3, timed=False)  # warmup: 30 J not counted
+    side.run(2, timed=True)
+    side.run(4, timed=True)
+    assert side.joules == 60.0 and len(side.rounds) == 2
+    monkeypatch.setattr(mx, "energy_joules", lambda devices: None)  # the counter goes away
+    side.run(1, timed=True)
+    assert side.joules is None
+
+
 def test_compare_accepts_override_syntax():
     cfg = compare._load("configs/h100_fp8.py:smoke|optim.name=adamw|train.seed=3")
     assert cfg.optim.name == "adamw" and cfg.train.seed == 3
