@@ -108,10 +108,6 @@ def compositions(cfg: Config) -> None:
         raise ConfigError("mesh.fsdp: not with mesh.pipeline > 1 yet (XLA's SPMD partitioner "
                           "fails on data-sharded weights inside the pipeline's shard_map); the "
                           "stages already split the layer weights")
-    if cfg.train.compute_dtype == "float16" and p.schedule in HAND_BACKWARD_SCHEDULES:
-        raise ConfigError(f"train.compute_dtype: float16 loss scaling does not reach inside the "
-                          f"{p.schedule} schedule's own backward; use bfloat16, or "
-                          f"pipeline.schedule gpipe/circular")
     if k and fp8 and f.recipe == "delayed":
         raise ConfigError(f"fp8.recipe: 'delayed' keeps no amax state for the dense prefix blocks "
                           f"that run before the pipeline stages (model.first_k_dense_replace = "

@@ -2,7 +2,7 @@
 model seen as a loss.
 
 The one idea: the loop never asks whether the model is pipelined. `ModelLoss` (here) and
-`dsjax.pipeline.Pipelined` expose the same `loss_and_aux(params, batch, fp8_meta)`, and
+`dsjax.pipeline.Pipelined` expose the same `loss_and_aux(params, batch, fp8_meta, seed)`, and
 `TrainState.objective` holds one of them.
 """
 
@@ -70,11 +70,14 @@ class ModelLoss:
                                           head_inputs=True)
         return self._head_nll(x_BSD, head_DV, batch)
 
-    def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
-                     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
+                     seed: Any = 1.0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(mean next-token NLL over weighted positions, the weight sum, the model's auxiliary
         terms): for MoE/MTP models (DeepSeek-V2/V3) "aux_loss" (to add to the NLL: balance and
-        MTP losses, weighted), "moe_load" [MoE layers, E] and "mtp_loss"; {} for dense models."""
+        MTP losses, weighted), "moe_load" [MoE layers, E] and "mtp_loss"; {} for dense models.
+        `seed`, the float16 loss scale the caller's backward starts from, is for objectives
+        that differentiate themselves (`Pipelined`'s 1F1B); `jax.grad` applies it here."""
+        del seed
         (x_BSD, head_DV), sown = self.model.apply(
             _variables(params, fp8_meta), batch["inputs"], batch["positions"],
             batch["segment_ids"], batch["targets"], batch["weights"], head_inputs=True,

@@ -23,25 +23,31 @@ from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, inde
 
 
 def one_f_one_b_loss(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
-                     count: jax.Array, mtp_count: jax.Array
+                     count: jax.Array, mtp_count: jax.Array, seed: Any = 1.0
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(mean NLL, the model's aux terms) whose gradient (w.r.t. params and, for delayed fp8, the
     amax observations of fp8_meta) the schedule computes itself: the NLL carries the gradient of
-    the objective NLL + aux_loss (see `Pipelined.loss_and_aux`)."""
+    the objective NLL + aux_loss (see `Pipelined.loss_and_aux`). `seed`: the cotangent its
+    backward starts from, the float16 loss scale, so that the backward runs at the scaled
+    magnitude that keeps float16 gradients from underflowing; the caller's own cotangent is
+    applied relative to it."""
+    seed = jnp.asarray(seed, jnp.float32)
 
     @jax.custom_vjp
     def objective(params, meta):
-        return _one_f_one_b(pipe, params, meta, micro, count, mtp_count)[0]
+        return _one_f_one_b(pipe, params, meta, micro, count, mtp_count, seed)[0]
 
     def fwd(params, meta):
-        out, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count, mtp_count)
+        out, grads, meta_grads = _one_f_one_b(pipe, params, meta, micro, count, mtp_count, seed)
         return out, (grads, meta_grads)
 
     def bwd(res, ct):
         grads, meta_grads = res
         # Only the objective's cotangent: the NLL, balance and load values carry no gradient.
-        # The observed amaxes are not scaled by the loss cotangent (as in fp8's own VJP).
-        return jax.tree.map(lambda g: g * ct[0], grads), meta_grads
+        # The grads are seed x the objective's gradient (exact: the loss scale is a power of
+        # two). The observed amaxes are not scaled by the loss cotangent (as in fp8's own VJP).
+        rel = ct[0] / seed
+        return jax.tree.map(lambda g: g * rel.astype(g.dtype), grads), meta_grads
 
     objective.defvjp(fwd, bwd)
     value, (nll, balance, load_LE, mtp) = objective(params, meta)
@@ -105,9 +111,10 @@ def tick_plan(t: Any, s: Any, S: int, R: int, M: int) -> TickPlan:
 
 
 def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
-                 count: jax.Array, mtp_count: jax.Array) -> tuple[Any, Any, Any]:
+                 count: jax.Array, mtp_count: jax.Array, seed: jax.Array
+                 ) -> tuple[Any, Any, Any]:
     """((objective, (mean NLL, MoE balance sum, loads [L, E]; None, None if dense; MTP sums,
-    `mtp_terms`)), the objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B
+    `mtp_terms`)), `seed` x the objective's gradient w.r.t. params, fp8 amax observations) by the 1F1B
     schedule, interleaved over R = `pipe.per_stage` layer chunks per stage. The objective is the
     mean NLL plus, for MoE models, alpha x the balance terms summed over layers and averaged
     over microbatches, plus mtp_loss_weight x the mean of the MTP modules' losses
@@ -133,7 +140,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
     # Block: manual over `pipeline`. chunks [L/S, ...], top and micro [M, B/M, S] replicated
     # -> loss (psummed), layer grads [L/S, ...] and meta observations, top grads (psummed);
     # MoE: the balance sum (psummed) and this stage's loads [R, Lc, E] (chunk r*S + s at r).
-    def body(chunks, top, micro, inv_count, inv_mtp):
+    def body(chunks, top, micro, inv_count, inv_mtp, seed):
         stage_vars = interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
             lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
         if typed:
@@ -188,7 +195,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         # (the aux loss averages microbatches), none for the loads (counts, no gradient).
         stats_ct = (None if not moe else
                     {"balance": jnp.full(out_shapes[1]["balance"].shape,
-                                         model.cfg.aux_loss_alpha / M, jnp.float32),
+                                         model.cfg.aux_loss_alpha / M, jnp.float32) * seed,
                      "load": jnp.zeros(out_shapes[1]["load"].shape, jnp.float32)})
         if typed and moe:
             stats_ct = lax.pcast(stats_ct, STAGE, to="varying")
@@ -230,7 +237,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
             def loss_and_grad(scale=1.0):
                 value, vjp, aux = jax.vjp(lambda top, y: head(top, y, mf), top, y_BSD,
                                           has_aux=True)
-                d_top, dy = vjp(jnp.ones_like(value) * scale)
+                d_top, dy = vjp(jnp.ones_like(value) * (scale * seed))
                 return aux, d_top, dy
             if branchless and n_mtp:  # MoE blocks in the MTP modules: no branch (see above)
                 use = (on_f & leave).astype(jnp.float32)
@@ -310,9 +317,9 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
 
     chunk_specs = stage_specs(chunks)
     values, d_stack, d_top = jax.shard_map(
-        body, in_specs=(chunk_specs, P(), P(), P(), P()),
+        body, in_specs=(chunk_specs, P(), P(), P(), P(), P()),
         out_specs=((P(), P(), P(), P(None, STAGE) if moe else None, P()), chunk_specs, P()),
-        axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count, inv_mtp)
+        axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count, inv_mtp, seed)
     objective, nll, balance, load_LE, mtp = values
     if moe:  # [R, S*Lc, E], whose row-major order is the layer order
         load_LE = load_LE.reshape(-1, load_LE.shape[-1])

@@ -32,8 +32,8 @@ class Pipelined(StagedModel):
     def __call__(self, variables, *args, **kwargs):
         return self.model.apply(variables, *args, **kwargs)
 
-    def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
-                     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
+                     seed: Any = 1.0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """(mean next-token NLL, weight sum, auxiliary terms), like `ModelLoss.loss_and_aux`. A MoE
         model's terms are the unpipelined model's for the whole batch: "aux_loss" = alpha x the
         balance loss summed over layers (each layer's mean over rows: the mean over microbatches
@@ -41,7 +41,9 @@ class Pipelined(StagedModel):
         gpipe/circular: `jax.grad` differentiates each term. The 1F1B schedules differentiate
         the training objective NLL + aux_loss as one inside the schedule: the returned NLL
         carries that whole gradient and aux_loss none, so any function of their sum (the
-        training objective) has the exact gradient, but not the NLL alone."""
+        training objective) has the exact gradient, but not the NLL alone. `seed`: the cotangent
+        the caller differentiates the objective with (the float16 loss scale); the 1F1B
+        schedules start their own backward from it."""
         rows = batch["inputs"].shape[0]
         if rows % self.microbatches:  # e.g. a dynamic batch size (dsjax/batching/) off the grid
             raise ConfigError(f"pipeline.microbatches: a batch of {rows} rows does not split "
@@ -52,7 +54,8 @@ class Pipelined(StagedModel):
                             axis=(1, 2))
         micro = _microbatches(batch, self.microbatches)
         if self.schedule in HAND_BACKWARD_SCHEDULES:
-            nll, aux = one_f_one_b_loss(self, params, fp8_meta or {}, micro, count, mtp_count)
+            nll, aux = one_f_one_b_loss(self, params, fp8_meta or {}, micro, count, mtp_count,
+                                        seed)
             return nll, count, aux
         total, balance, load_LE, mtp = forward_pipeline(self, params, fp8_meta or {}, micro)
         return (total / jnp.maximum(count, 1.0), count,

@@ -73,7 +73,8 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
         def objective(params, fp8_meta, micro):
             with nn.logical_axis_rules(local_rules):
                 # Pipelined: the pipeline's shard_map (manual over `pipeline`) nests in this one.
-                mean, local, aux = state.objective.loss_and_aux(params, micro, fp8_meta)
+                mean, local, aux = state.objective.loss_and_aux(params, micro, fp8_meta,
+                                                                loss_scale.scale)
             local = jnp.maximum(local, 1.0)
             total = mean * local
             # MTP (pipelined or not): token-weighted like the NLL.

@@ -83,7 +83,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
 
     def micro_grads(micro):
         def scaled_loss(params, fp8_meta):
-            loss, tokens, aux = state.objective.loss_and_aux(params, micro, fp8_meta)
+            loss, tokens, aux = state.objective.loss_and_aux(params, micro, fp8_meta,
+                                                             state.loss_scale.scale)
             if accumulating:  # this micro-batch's share of the whole batch's mean loss
                 share = tokens / count
                 loss = loss * share
