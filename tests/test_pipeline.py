@@ -401,9 +401,14 @@ def test_split_errors_say_which_values_would_split():
     with pytest.raises(ConfigError, match=r"use a multiple of 2, e\.g\. 4$"):
         _cfg(**{**base, "batch.micro_batch": 3})
     # interleaved_1f1b R = 2 on 4 layers: chunks of 1 layer, so every_2 differs between them
-    with pytest.raises(ConfigError, match="chunks of 1 layers; use a period that divides 1"):
+    with pytest.raises(ConfigError, match=r"chunks of 1 layers \(every stage runs one program\); "
+                                          r"use a period that divides 1: all, every_1, or a list"):
         _cfg(**{**base, "pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2,
                 "remat.policy": "full", "remat.layers": "every_2"})
+    # 8 layers on 2 stages: chunks of 4; every_8 recomputes layer 7 only
+    with pytest.raises(ConfigError, match=r"divides 4: all, every_1, every_2, every_4, or a "
+                                          r"list that repeats every 4 layers$"):
+        _cfg(**{**base, "model.num_layers": 8, "remat.policy": "full", "remat.layers": "every_8"})
 
 
 @pytest.mark.slow

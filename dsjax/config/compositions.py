@@ -91,9 +91,14 @@ def compositions(cfg: Config) -> None:
     if cfg.remat.policy != "auto":
         per_layer = remat.layer_policies(cfg.remat.policy, cfg.remat.layers, m.num_layers)[k:]
         if per_layer != per_layer[:chunk] * chunks:
+            # Recomputation decides what a layer saves for the backward; a choice made at run
+            # time (per stage) would have to save for both, so the pattern must repeat.
+            fits = ", ".join(["all"] + [f"every_{d}" for d in range(1, chunk + 1)
+                                        if chunk % d == 0])
             raise ConfigError(f"remat.layers: the per-layer pattern {cfg.remat.layers!r} differs "
-                              f"between pipeline chunks of {chunk} layers; use a period that "
-                              f"divides {chunk}")
+                              f"between pipeline chunks of {chunk} layers (every stage runs one "
+                              f"program); use a period that divides {chunk}: {fits}, or a list "
+                              f"that repeats every {chunk} layers")
     if fp8:
         for key in ("keep_first_layers", "keep_last_layers"):
             if getattr(f, key):
