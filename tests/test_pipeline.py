@@ -381,7 +381,6 @@ def test_float16_loss_scaling_reaches_inside_the_1f1b_backward():
     ({"pipeline.repeats": 2}, "pipeline.repeats"),  # 1f1b does not interleave
     ({"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 4}, "model.num_layers"),
     ({"remat.policy": "full", "remat.layers": "every_4"}, "remat.layers"),  # chunks of 2 differ
-    ({"train.compute_dtype": "fp8", "fp8.keep_first_layers": 1}, "fp8.keep_first_layers"),
     ({"batch.micro_batch": 3}, "batch.micro_batch"),  # 3 rows per replica into 2 microbatches
     ({"mesh.fsdp": True}, "mesh.fsdp"),
     ({"train.compute_dtype": "fp8", "fp8.recipe": "delayed", "pipeline.schedule": "gpipe"},
@@ -448,15 +447,23 @@ def test_interleave_tables_move_every_chunk_to_its_circular_slot(stages, repeats
         assert [sent[src][d][p] for src, p in recv[d]] == local[d][:repeats]
 
 
-@pytest.mark.parametrize("schedule, repeats", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_hand_backward_with_delayed_fp8_matches_the_unpipelined_model(schedule, repeats):
+@pytest.mark.parametrize("schedule, repeats, keep", [
+    ("1f1b", 1, (0, 0)), ("interleaved_1f1b", 2, (0, 0)),
+    # Layers kept out of fp8 (fp8.keep_first_layers, keep_last_layers): on 2 stages the 4
+    # layers' flags F T T F differ between the chunks (F T | T F, or F | T | T | F
+    # interleaved), so those layers switch at run time by their stack's flags.
+    ("1f1b", 1, (1, 1)), ("interleaved_1f1b", 2, (1, 0))])
+def test_hand_backward_with_delayed_fp8_matches_the_unpipelined_model(schedule, repeats, keep):
     """Delayed scaling quantises with last step's scales, so microbatching changes nothing: the
     loss, the gradients and the amax observations (max over microbatches) must all match."""
     cfg = _pipelined((2, 2, 2), schedule, 2, repeats, **{"train.compute_dtype": "fp8", "fp8.recipe":
                                               "delayed", "fp8.other_dtype": "float32",
-                                              "fp8.history_len": 4})
+                                              "fp8.history_len": 4,
+                                              "fp8.keep_first_layers": keep[0],
+                                              "fp8.keep_last_layers": keep[1]})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
+    assert bool(state.objective.fp8_switch()) == any(keep)
     host_batch = random_batch(np.random.default_rng(3), 8, 16, vocab=128)
 
     def loss_and_grads(apply_fn, params, meta, batch):
@@ -481,9 +488,39 @@ def test_hand_backward_with_delayed_fp8_matches_the_unpipelined_model(schedule, 
     amaxes = lambda t: [np.asarray(m.amax, np.float32) for m in jax.tree.leaves(t, is_leaf=is_meta)]
     got, want = amaxes(jax.device_get(obs)), amaxes(ref_obs)
     assert len(got) == 7  # q, k, v, o, gate, up, down (stacked over layers)
-    for g, w in zip(got, want):
-        assert np.all(w > 0)
+    kept = [i for i in range(4) if i < keep[0] or i >= 4 - keep[1]]
+    for g, w in zip(got, want):  # [layers, (x, w, g)]
+        assert np.all(np.delete(w, kept, axis=0) > 0) and np.all(w[kept] == 0)  # kept: unused
         np.testing.assert_allclose(g, w, rtol=1e-5)  # measured 1.5e-7
+
+
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
+def test_layers_kept_out_of_fp8_switch_per_stage_under_gpipe_and_circular(schedule, repeats):
+    """fp8.keep_first_layers / keep_last_layers under the jax.grad schedules, current scaling.
+    Both microbatches (rows m, M + m, ...) hold the same rows, so every per-tensor scale is the
+    whole batch's, as unpipelined, and loss and gradients must match the unpipelined fp8 model.
+    The kept layers differ between chunks, so they run their `lax.cond` switch."""
+    cfg = _pipelined((2, 2, 2), schedule, 2, repeats, **{
+        "train.compute_dtype": "fp8", "fp8.other_dtype": "float32",
+        "fp8.keep_first_layers": 1, "fp8.keep_last_layers": 1})
+    trainer = train.build_trainer(cfg)
+    state = trainer.init()
+    assert state.objective.fp8_switch()
+    rows = random_batch(np.random.default_rng(4), 4, 16, vocab=128)
+    host_batch = {k: np.repeat(v, 2, axis=0) for k, v in rows.items()}  # microbatches alike
+    with sharding.activate(trainer.mesh, trainer.rules):
+        loss, grads = _loss_and_grads(state.objective, state.params,
+                                      trainer.device_batch(host_batch))
+    params = jax.device_get(state.params)
+    ref_loss, ref_grads = _loss_and_grads(ModelLoss(state.objective.model), params, host_batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-5
+    # ...and the kept layers are not fp8: the same model with every layer in fp8 differs.
+    all_fp8 = ModelLoss(state.objective.model.clone(
+        fp8_policy=dataclasses.replace(state.objective.model.fp8_policy, layers=())))
+    other_loss, _ = _loss_and_grads(all_fp8, params, host_batch)
+    assert abs(float(other_loss) - float(ref_loss)) > 1e-5
 
 
 # configs/cpu_moe.py shrunk to 4 MoE blocks (no dense first block, no MTP: neither pipelines),

@@ -28,6 +28,9 @@ RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
 # leading dense blocks and the MTP modules (every stage holds them whole; dsjax.pipeline).
 EXTRA_LAYERS = "extra_layers"
+# The per-layer fp8 switch of a pipeline chunk's stack: where chunks differ (fp8.keep_*_layers),
+# each layer's choice is data, [layers] bools beside its params (`Transformer.fp8_switch`).
+FP8_ON = "fp8_on"
 
 
 class DecoderBlock(nn.Module):
@@ -89,6 +92,9 @@ class Transformer(nn.Module):
     layer_policies: tuple[str, ...] = ()
     scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
     fp8_policy: fp8.Fp8Policy | None = None
+    # Per layer: fp8 or not is decided at run time, by the stack's FP8_ON flags (a pipeline
+    # chunk whose layer differs between stages); () = every choice is static.
+    fp8_switch: tuple[bool, ...] = ()
 
     def _block(self, use_fp8: bool, moe: bool = False, attention_impl: str = "xla"
                ) -> DecoderBlock:
@@ -160,14 +166,28 @@ class Transformer(nn.Module):
         # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.
         return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.layers_unrolled)
 
+    def _switch_fn(self, policy: str, positions_BS, segment_ids_BS, moe: bool = False):
+        """A layer whose fp8 choice is its FP8_ON flag: both forms compiled, one run (a
+        `lax.cond`; its backward keeps the residuals of both)."""
+        on = self._layer_fn(policy, True, positions_BS, segment_ids_BS, moe)
+        off = self._layer_fn(policy, False, positions_BS, segment_ids_BS, moe)
+
+        def apply(x_BSD, variables):
+            rest = {k: v for k, v in variables.items() if k != FP8_ON}
+            return jax.lax.cond(variables[FP8_ON], on, off, x_BSD, rest)
+        return apply
+
     def _segments(self, lo: int = 0, hi: int | None = None
-                  ) -> list[tuple[int, int, bool, tuple[str, ...]]]:
-        """(start, end, uses fp8, group pattern) of each contiguous run of layers in [lo, hi)."""
+                  ) -> list[tuple[int, int, bool | None, tuple[str, ...]]]:
+        """(start, end, uses fp8 (None: per layer, by its FP8_ON flag), group pattern) of each
+        contiguous run of layers in [lo, hi)."""
         L = self.cfg.num_layers
         hi = L if hi is None else hi
         policies = tuple(self.layer_policies) or ("none",) * L
         fp8_on = (self.fp8_policy.layer_flags(L) if self.fp8_policy is not None
                   else (False,) * L)
+        if self.fp8_switch:
+            fp8_on = tuple(None if switch else on for on, switch in zip(fp8_on, self.fp8_switch))
         if len(policies) != L or len(fp8_on) != L:
             raise ValueError(f"per-layer choices must have num_layers={L} entries")
         segments, start = [], lo
@@ -295,11 +315,15 @@ class Transformer(nn.Module):
         moe_stats = []
         for start, end, use_fp8, pattern in self._segments(lo, hi):
             fns = [self._layer_fn(p, use_fp8, positions_BS, segment_ids_BS, moe)
-                   for p in pattern]
+                   if use_fp8 is not None else
+                   self._switch_fn(p, positions_BS, segment_ids_BS, moe) for p in pattern]
             G = len(pattern)
             segment = jax.tree.map(lambda a: a[start - lo:end - lo], stack)
+            if use_fp8 is not None:
+                segment.pop(FP8_ON, None)  # a static choice needs no flags
             policy = self.fp8_policy
-            if use_fp8 and policy is not None and policy.recipe in ("current", "delayed"):
+            if use_fp8 is not False and policy is not None and policy.recipe in ("current",
+                                                                                 "delayed"):
                 segment[fp8.WEIGHTS_COLLECTION] = prepare_fp8_weights(segment, policy)
             grouped = jax.tree.map(
                 lambda a: a.reshape((end - start) // G, G, *a.shape[1:]), segment)

@@ -29,7 +29,7 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
     T = ticks(pipe.schedule, S, M, R)
     model, chunk_model = pipe.model, pipe.chunk_model()
     moe = model.cfg.is_moe
-    chunks, top = split_params(params, meta, pipe.stack)
+    chunks, top = split_params(pipe, params, meta)
     x_shape = jax.eval_shape(lambda: embed_tokens(top["embedding"], micro["inputs"], model.dtype))
     # A lap of the ring ends on the last stage; with R > 1 it continues on stage 0.
     perm = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8
 from dsjax.sharding import varying_axes
+from dsjax.model.decoder import FP8_ON
 from dsjax.model.loss import BATCH_KEYS
 from dsjax.pipeline import stash
 from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, index, interleave,
@@ -131,7 +132,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
     # every device, or fail XLA's SPMD partitioner. The bubble is then 2(S-1) ticks, not S-1.
     branchless = moe
     n_mtp = model.cfg.num_mtp_layers
-    chunks, top = split_params(params, meta, pipe.stack)
+    chunks, top = split_params(pipe, params, meta)
     has_meta = fp8.META_COLLECTION in chunks
     typed = pipe.typed
     inv_count = 1.0 / jnp.maximum(count, 1.0)
@@ -189,7 +190,9 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         stage_res = stash.stack([stash.plan(stage, index(stage_vars, r), zero_x, stage_aux(m0))
                                  for r in range(R)])
         embed_res = stash.plan(embed, front(top), (), embed_aux(m0))
-        grad_shapes = jax.eval_shape(lambda: (stage_vars, top))
+        # Gradients of the params and fp8 observations; the fp8 switch flags have none.
+        grad_shapes = jax.eval_shape(lambda: ({k: v for k, v in stage_vars.items()
+                                               if k != FP8_ON}, top))
         out_shapes = jax.eval_shape(lambda: stage(index(stage_vars, 0), zero_x, stage_aux(0)))
         # The objective's cotangent of a stage's MoE stats: alpha / M per layer's balance term
         # (the aux loss averages microbatches), none for the loads (counts, no gradient).
@@ -318,7 +321,8 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
     chunk_specs = stage_specs(chunks)
     values, d_stack, d_top = jax.shard_map(
         body, in_specs=(chunk_specs, P(), P(), P(), P(), P()),
-        out_specs=((P(), P(), P(), P(None, STAGE) if moe else None, P()), chunk_specs, P()),
+        out_specs=((P(), P(), P(), P(None, STAGE) if moe else None, P()),
+                   {k: v for k, v in chunk_specs.items() if k != FP8_ON}, P()),
         axis_names={STAGE}, check_vma=typed)(chunks, top, micro, inv_count, inv_mtp, seed)
     objective, nll, balance, load_LE, mtp = values
     if moe:  # [R, S*Lc, E], whose row-major order is the layer order

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8, sharding
 from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, chunks_per_stage
-from dsjax.model.decoder import Transformer, embed_tokens
+from dsjax.model.decoder import FP8_ON, Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
 from dsjax.model import loss
 
@@ -77,16 +77,33 @@ class StagedModel:
         cfg = self.model.cfg
         return cfg.first_k_dense_replace if cfg.is_moe else 0
 
+    def fp8_flags(self) -> tuple[bool, ...]:
+        """Per layer of the pipelined stack: does it run its projections in fp8?"""
+        m, k = self.model, self.prefix
+        if m.fp8_policy is None:
+            return (False,) * (m.cfg.num_layers - k)
+        return m.fp8_policy.layer_flags(m.cfg.num_layers)[k:]
+
+    def fp8_switch(self) -> tuple[bool, ...]:
+        """Per position in a chunk: do the chunks differ there in fp8 (fp8.keep_first_layers /
+        keep_last_layers)? There the choice is made at run time from the stack's flags
+        (`Transformer.fp8_switch`); () if no chunk differs."""
+        flags, n = self.fp8_flags(), (self.model.cfg.num_layers - self.prefix) // self.chunks
+        switch = tuple(len({flags[c * n + i] for c in range(self.chunks)}) > 1 for i in range(n))
+        return switch if any(switch) else ()
+
     def chunk_model(self) -> Transformer:
         """The decoder restricted to one chunk of the pipelined layers (every chunk makes the
-        same choices; the dense prefix and MTP are not part of it)."""
+        same remat choices; fp8 choices that differ are switched at run time; the dense prefix
+        and MTP are not part of it)."""
         m, k = self.model, self.prefix
         n = (m.cfg.num_layers - k) // self.chunks
         return m.clone(parent=None, cfg=dataclasses.replace(m.cfg, num_layers=n,
                                                             first_k_dense_replace=0,
                                                             num_mtp_layers=0),
                        layer_policies=tuple(m.layer_policies)[k:k + n],
-                       fp8_policy=m.fp8_policy and m.fp8_policy.layer_range(k, k + n))
+                       fp8_policy=m.fp8_policy and m.fp8_policy.layer_range(k, k + n),
+                       fp8_switch=self.fp8_switch())
 
     @property
     def stack(self) -> str:
@@ -119,12 +136,16 @@ def aux_terms(pipe: StagedModel, balance: jax.Array | None, load_LE: jax.Array |
     return aux
 
 
-def split_params(params: Any, meta: Any, name: str) -> tuple[Any, Any]:
-    """(layer variables {"params", maybe "fp8_meta"} of stack `name`, leading "layers" axis;
-    the replicated top-level params)."""
+def split_params(pipe: StagedModel, params: Any, meta: Any) -> tuple[Any, Any]:
+    """(layer variables {"params", maybe "fp8_meta", maybe FP8_ON: the per-layer fp8 flags
+    where chunks differ} of the pipelined stack, leading "layers" axis; the replicated top-level
+    params)."""
+    name = pipe.stack
     stack = {"params": params[name]}
     if meta:
         stack[fp8.META_COLLECTION] = meta[name]
+    if pipe.fp8_switch():
+        stack[FP8_ON] = jnp.asarray(pipe.fp8_flags())
     return stack, {k: v for k, v in params.items() if k != name}
 
 
