@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax import fp8
 from dsjax.metrics import gemms
+from dsjax.metrics.hlo import computations_in_loops
 
 # The projections of dsjax/model/layers.py, with distinct dim sizes so that a wrong transpose in
 # the backward bookkeeping is a shape error or a large numerical error, never hidden by symmetry.
@@ -600,32 +601,11 @@ def _quantisations(compiled_hlo: str) -> tuple[collections.Counter, collections.
     """(e4m3 quantisations, by shape, in the computations the entry's while loops run; all of
     them) in optimised HLO. A quantisation is fp8.quantize's last op: a clamped value converted
     to e4m3 (the stacked residual buffers' converts are of other ops)."""
-    comps, calls, current, entry = {}, {}, None, None
-    for line in compiled_hlo.splitlines():
-        head = re.match(r"(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head and not line.startswith(" "):
-            current = head[2]
-            comps[current], calls[current] = [], set()
-            entry = current if head[1] else entry
-        elif current and line.startswith("  "):
-            comps[current].append(line)
-            for group, one in re.findall(
-                    r"(?:calls|to_apply|body|condition)=(?:\{([^}]*)\}|%?([\w.\-]+))", line):
-                calls[current] |= {c.strip().lstrip("%") for c in (group or one).split(",")}
+    comps, looped = computations_in_loops(compiled_hlo)
 
     def count(names):
         return collections.Counter(m[1] for c in names for line in comps[c]
                                    for m in [_QUANTISE.search(line)] if m)
-
-    looped = set()
-    for line in comps[entry]:
-        if " while(" in line:
-            todo = [re.search(r"body=%?([\w.\-]+)", line)[1]]
-            while todo:
-                c = todo.pop()
-                if c not in looped:
-                    looped.add(c)
-                    todo += calls.get(c, ())
     return count(looped), count(comps)
 
 

@@ -105,10 +105,6 @@ def compositions(cfg: Config) -> None:
             raise ConfigError(f"fp8.recipe: 'delayed' needs pipeline.schedule '1f1b' or "
                               f"'interleaved_1f1b' (which max-combine their amax observations "
                               f"themselves), got {p.schedule!r}; or use 'current' / 'rowwise'")
-    if cfg.mesh.fsdp:
-        raise ConfigError("mesh.fsdp: not with mesh.pipeline > 1 yet (XLA's SPMD partitioner "
-                          "fails on data-sharded weights inside the pipeline's shard_map); the "
-                          "stages already split the layer weights")
     if k and fp8 and f.recipe == "delayed":
         raise ConfigError(f"fp8.recipe: 'delayed' keeps no amax state for the dense prefix blocks "
                           f"that run before the pipeline stages (model.first_k_dense_replace = "

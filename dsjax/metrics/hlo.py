@@ -180,3 +180,34 @@ def collective_bytes(hlo_text: str, num_devices: int | None = None) -> dict[str,
     for c in hlo_collectives(hlo_text, num_devices):
         out[c.op] += c.sent_bytes()
     return dict(sorted(out.items()))
+
+
+def computations_in_loops(compiled_hlo: str) -> tuple[dict[str, list[str]], set[str]]:
+    """({computation name: its instruction lines}, the names of the computations the entry's
+    while loops run, transitively: bodies, and the fusions and calls in them) of optimised HLO
+    text. What runs once per step is in the entry outside that set; what runs per iteration
+    (a micro-batch, a pipeline tick, a layer) is inside it."""
+    comps: dict[str, list[str]] = {}
+    calls: dict[str, set[str]] = {}
+    current = entry = None
+    for line in compiled_hlo.splitlines():
+        head = re.match(r"(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            current = head[2]
+            comps[current], calls[current] = [], set()
+            entry = current if head[1] else entry
+        elif current and line.startswith("  "):
+            comps[current].append(line)
+            for group, one in re.findall(
+                    r"(?:calls|to_apply|body|condition)=(?:\{([^}]*)\}|%?([\w.\-]+))", line):
+                calls[current] |= {c.strip().lstrip("%") for c in (group or one).split(",")}
+    looped: set[str] = set()
+    for line in comps.get(entry, []):
+        if " while(" in line:
+            todo = [re.search(r"body=%?([\w.\-]+)", line)[1]]
+            while todo:
+                name = todo.pop()
+                if name not in looped:
+                    looped.add(name)
+                    todo += calls.get(name, ())
+    return comps, looped

@@ -29,8 +29,24 @@ class Pipelined(StagedModel):
     `model.apply` (evaluation, generation); `loss_and_aux` is the pipelined loss, differentiable
     with `jax.grad`. Call both under the mesh (`sharding.activate`)."""
 
+    # mesh.fsdp: the params' shardings without `data` ((treedef, specs), hashable: this is a
+    # static field of the train state); the pipeline gathers them once per step.
+    gathered: tuple | None = None
+
     def __call__(self, variables, *args, **kwargs):
         return self.model.apply(variables, *args, **kwargs)
+
+    def gather(self, params: Any) -> Any:
+        """With mesh.fsdp: `params` all-gathered over `data` (each stage's weights whole,
+        still split over the stages and `tensor`), before the schedule's shard_map. XLA's SPMD
+        partitioner fails on data-sharded weights inside it; outside it the gather is one
+        all-gather per step, and the gradients' way back through it a reduce-scatter."""
+        if self.gathered is None:
+            return params
+        treedef, specs = self.gathered
+        leaves = jax.tree.leaves(params)
+        return jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(p, s)
+                                            for p, s in zip(leaves, specs)])
 
     def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
                      seed: Any = 1.0) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
@@ -53,6 +69,7 @@ class Pipelined(StagedModel):
         mtp_count = jnp.sum(mtp_weights(batch["weights"], self.model.cfg.num_mtp_layers),
                             axis=(1, 2))
         micro = _microbatches(batch, self.microbatches)
+        params = self.gather(params)
         if self.schedule in HAND_BACKWARD_SCHEDULES:
             nll, aux = one_f_one_b_loss(self, params, fp8_meta or {}, micro, count, mtp_count,
                                         seed)

@@ -183,6 +183,14 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     # Optimizer moments mirror the boxed params, so they inherit the same logical axis names.
     abstract = jax.eval_shape(init_boxed, jax.random.key(0))
     state_shardings = sharding.logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    if cfg.mesh.fsdp and cfg.mesh.pipeline > 1:
+        # The same params under the rules without fsdp: what the pipeline gathers them to.
+        whole = sharding.logical_to_sharding(nn.get_partition_spec(abstract.params), mesh,
+                                             sharding.logical_rules(False, pipeline=True))
+        leaves, treedef = jax.tree.flatten(whole)
+        objective = dataclasses.replace(objective, gathered=(treedef,
+                                                             tuple(s.spec for s in leaves)))
+        state_shardings = state_shardings.replace(objective=objective)  # a static field
     if onebit:
         init_fn, state_shardings, phases = onebit_init_and_phases(
             cfg, mesh, tx, lambda rng: nn.unbox(init_boxed(rng)), state_shardings, typed)
