@@ -11,6 +11,10 @@ pipeline x data parallelism (2 x 2 x 2, the default 1f1b schedule), the XLA over
 
 Run on 8 H100s:  python launch.py --config configs/h100_fp8.py --config.data.path=DIR
 On CPU (everything landed, on a tiny model):  python launch.py --config configs/h100_fp8.py:smoke
+At 67B, FSDP inside a pipeline (configs/deepseek_67b.py: 5 stages x tensor 8 x data 4, AdamW,
+since 1-bit Adam needs params replicated over `data`):
+  python launch.py --config configs/deepseek_67b.py --config.train.compute_dtype=fp8 \
+      --config.remat.policy=attention_core --config.data.path=DIR
 Prints: a progress line every 10 steps; compare with configs/h100_bf16.py (the control group).
 """
 

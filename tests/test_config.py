@@ -48,6 +48,17 @@ def test_deepseek_7b_parameter_count_is_exact():
     assert count_params(abstract_params(cfg.model)) == 6_910_365_696
 
 
+def test_deepseek_67b_parameter_count_is_exact_and_it_pipelines_with_fsdp():
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "deepseek_67b.py"))
+    # By hand: per layer q and o 8192^2, k and v 8192 x 1024, MLP 3 x 8192 x 22016, 2 norms;
+    # x 95, plus embedding and head 102400 x 8192 each and the final norm.
+    layer = 2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 22016 + 2 * 8192
+    assert 95 * layer + 2 * 102400 * 8192 + 8192 == 67_425_001_472
+    assert count_params(abstract_params(cfg.model)) == 67_425_001_472
+    m = cfg.mesh
+    assert (m.data, m.tensor, m.pipeline, m.fsdp) == (4, 8, 5, True)  # validated by load
+
+
 def _tiny(**overrides):
     base = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
             "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512}
