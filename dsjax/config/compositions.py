@@ -105,10 +105,6 @@ def compositions(cfg: Config) -> None:
             raise ConfigError(f"fp8.recipe: 'delayed' needs pipeline.schedule '1f1b' or "
                               f"'interleaved_1f1b' (which max-combine their amax observations "
                               f"themselves), got {p.schedule!r}; or use 'current' / 'rowwise'")
-    if k and fp8 and f.recipe == "delayed":
-        raise ConfigError(f"fp8.recipe: 'delayed' keeps no amax state for the dense prefix blocks "
-                          f"that run before the pipeline stages (model.first_k_dense_replace = "
-                          f"{k}); use 'current' or 'rowwise', or mesh.pipeline = 1")
     if m.is_moe and not m.expert_parallel and cfg.mesh.data > 1 and cfg.mesh.tensor > 1:
         raise ConfigError("model.expert_parallel: the dense fallback (experts sharded over "
                           "`data` under GSPMD) fails XLA's SPMD partitioner inside the "

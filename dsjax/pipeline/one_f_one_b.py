@@ -18,9 +18,9 @@ from dsjax.sharding import varying_axes
 from dsjax.model.decoder import FP8_ON
 from dsjax.model.loss import BATCH_KEYS
 from dsjax.pipeline import stash
-from dsjax.pipeline.stages import (STAGE, StagedModel, aux_terms, head_nll, index, interleave,
-                                   mtp_terms, run_chunk, split_params, stage0_input, stage_specs,
-                                   ticks)
+from dsjax.pipeline.stages import (PREFIX_META, STAGE, StagedModel, aux_terms, head_nll, index,
+                                   interleave, mtp_terms, run_chunk, split_params, stage0_input,
+                                   stage_specs, ticks)
 
 
 def one_f_one_b_loss(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array],
@@ -165,10 +165,11 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         def embed_aux(m):
             return micro["inputs"][m], pos[m], seg[m]
 
-        # What stage 0 differentiates before the stages: the embedding and the dense prefix.
+        # What stage 0 differentiates before the stages: the embedding and the dense prefix
+        # (with delayed fp8 also its state, whose "gradient" is the amax observations).
         def front(top):
-            return ({k: top[k] for k in ("embedding", "layers")} if pipe.prefix
-                    else top["embedding"])
+            return ({k: top[k] for k in ("embedding", "layers", PREFIX_META) if k in top}
+                    if pipe.prefix else top["embedding"])
 
         def head(top, y_BSD, m):
             """(this microbatch's share of the objective, (its NLL share, MTP sums))."""
@@ -274,7 +275,12 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
             d_stage, d_top = acc
             d_top = jax.tree.map(jnp.add, d_top, d_top_head)
             if pipe.prefix:
-                d_top = {**d_top, **jax.tree.map(jnp.add, front(d_top), d_front)}
+                d_params = dict(d_front)
+                seen = d_params.pop(PREFIX_META, None)
+                d_top = {**d_top, **jax.tree.map(jnp.add, {k: d_top[k] for k in d_params},
+                                                 d_params)}
+                if seen is not None:  # amax observations combine by maximum, as the stack's
+                    d_top[PREFIX_META] = fp8.combine(d_top[PREFIX_META], seen)
             else:
                 d_top = {**d_top, "embedding": d_top["embedding"] + d_front}
             d_chunk = index(d_stage, rb)
@@ -327,8 +333,11 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
     objective, nll, balance, load_LE, mtp = values
     if moe:  # [R, S*Lc, E], whose row-major order is the layer order
         load_LE = load_LE.reshape(-1, load_LE.shape[-1])
+    prefix_observed = d_top.pop(PREFIX_META, None)  # psummed: only stage 0 observed it
     grads = {**d_top, pipe.stack: d_stack["params"]}
     meta_grads = {pipe.stack: d_stack[fp8.META_COLLECTION]} if has_meta else {}
+    if prefix_observed is not None:
+        meta_grads["layers"] = prefix_observed
     return (objective, (nll, balance, load_LE, mtp)), grads, meta_grads
 
 

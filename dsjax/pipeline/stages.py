@@ -136,17 +136,25 @@ def aux_terms(pipe: StagedModel, balance: jax.Array | None, load_LE: jax.Array |
     return aux
 
 
+# In `top`: the delayed-scaling state of a MoE model's dense prefix blocks (they run on stage 0
+# with the embedding), beside their params "layers".
+PREFIX_META = "prefix_fp8_meta"
+
+
 def split_params(pipe: StagedModel, params: Any, meta: Any) -> tuple[Any, Any]:
     """(layer variables {"params", maybe "fp8_meta", maybe FP8_ON: the per-layer fp8 flags
     where chunks differ} of the pipelined stack, leading "layers" axis; the replicated top-level
-    params)."""
+    params, with the dense prefix's fp8 state under PREFIX_META if it has one)."""
     name = pipe.stack
     stack = {"params": params[name]}
     if meta:
         stack[fp8.META_COLLECTION] = meta[name]
     if pipe.fp8_switch():
         stack[FP8_ON] = jnp.asarray(pipe.fp8_flags())
-    return stack, {k: v for k, v in params.items() if k != name}
+    top = {k: v for k, v in params.items() if k != name}
+    if pipe.prefix and meta and "layers" in meta:
+        top[PREFIX_META] = meta["layers"]
+    return stack, top
 
 
 def run_chunk(chunk_model: Transformer, variables: Any, x_BSD: jax.Array, positions_BS,
@@ -214,8 +222,10 @@ def stage0_input(pipe: StagedModel, top: Any, tokens_BS: jax.Array, positions_BS
     x_BSD = embed_tokens(top["embedding"], tokens_BS, model.dtype)
     if not pipe.prefix:
         return x_BSD
-    x_BSD, _ = model.run_layers(x_BSD, {"params": top["layers"]}, positions_BS, segment_ids_BS,
-                                0, pipe.prefix)
+    prefix = {"params": top["layers"]}
+    if PREFIX_META in top:
+        prefix[fp8.META_COLLECTION] = top[PREFIX_META]
+    x_BSD, _ = model.run_layers(x_BSD, prefix, positions_BS, segment_ids_BS, 0, pipe.prefix)
     return x_BSD
 
 
