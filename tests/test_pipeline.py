@@ -705,11 +705,10 @@ def test_delayed_fp8_on_the_dense_prefix_under_1f1b_matches_the_unpipelined_mode
     """A MoE model's dense first block runs on stage 0 before the stages; with delayed fp8 its
     state rides with its params, and its amax observations (max over microbatches) come back
     with the stack's: loss, gradients and every observation equal the unpipelined model's.
-    fp8 on the attention projections (delayed scaling does not cover routed experts)."""
+    Every projection in fp8, the routed experts too (per expert, inside the all-to-all)."""
     cfg = _moe_pipelined((2, 2, 2), "1f1b", 2, **{
         "model.first_k_dense_replace": 1, "model.num_layers": 5, "train.compute_dtype": "fp8",
-        "fp8.recipe": "delayed", "fp8.matmuls": "q,k,v,o", "fp8.other_dtype": "float32",
-        "fp8.history_len": 4})
+        "fp8.recipe": "delayed", "fp8.other_dtype": "float32", "fp8.history_len": 4})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
     assert set(state.fp8_meta) == {"layers", "moe_layers"}
@@ -750,9 +749,6 @@ def test_delayed_fp8_on_the_dense_prefix_under_1f1b_matches_the_unpipelined_mode
 
 
 @pytest.mark.parametrize("overrides, field", [
-    # delayed scaling does not cover routed experts (one history per matmul, experts per expert)
-    ({"model.first_k_dense_replace": 1, "model.num_layers": 5, "train.compute_dtype": "fp8",
-      "fp8.recipe": "delayed"}, "fp8.recipe"),
     ({"model.first_k_dense_replace": 1}, "model.num_layers"),  # 3 MoE layers over 2 stages
     ({"model.expert_parallel": False}, "model.expert_parallel"),  # data 2 x tensor 2
 ])

@@ -42,16 +42,6 @@ def compositions(cfg: Config) -> None:
         raise ConfigError("model.expert_parallel: needs routed experts (model.n_routed_experts); "
                           "a dense model has no experts to place over `data`")
 
-    # fp8.
-    expert_fp8 = [n for n in f.matmul_names if n in ("gate", "up", "down")]
-    if (m.is_moe and fp8 and f.recipe == "delayed" and expert_fp8
-            and m.first_k_dense_replace < m.num_layers):
-        # Delayed scaling keeps one amax history per matmul; experts scale per expert.
-        raise ConfigError(f"fp8.recipe: 'delayed' does not cover MoE experts (fp8.matmuls has "
-                          f"{','.join(expert_fp8)}, which would run in fp8.other_dtype in the "
-                          f"MoE blocks); use 'current' or 'rowwise', or drop gate,up,down from "
-                          f"fp8.matmuls")
-
     # 1-bit Adam.
     if o.hierarchical and o.name != "onebit_adam":
         raise ConfigError(f"optim.hierarchical: only optim.name='onebit_adam' has a hierarchical "

@@ -153,19 +153,38 @@ class MoE(nn.Module):
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
 
-    def _expert_matmul(self, name: str, x_ECD: jax.Array, w_EDF: jax.Array) -> jax.Array:
+    def _expert_metas(self) -> dict[str, fp8.Fp8Meta]:
+        """Delayed scaling: one amax history per expert and projection, `Fp8Meta` leaves with a
+        leading experts dim [E, ...], for the projections the policy runs in fp8; {} otherwise.
+        Read here, outside the expert-parallel shard_map, which takes them like the weights."""
         policy = self.fp8_policy
-        if policy is not None and policy.runs(name) and not policy.delayed:
+        if policy is None or not policy.delayed:
+            return {}
+        E = self.num_experts
+        init = lambda: jax.tree.map(lambda a: jnp.broadcast_to(a, (E, *a.shape)),
+                                    fp8.init_meta(policy.history))
+        return {n: self.variable(fp8.META_COLLECTION, n, init).value
+                for n in ("gate", "up", "down") if policy.runs(n)}
+
+    def _expert_matmul(self, name: str, x_ECD: jax.Array, w_EDF: jax.Array,
+                       metas: dict[str, fp8.Fp8Meta]) -> jax.Array:
+        policy = self.fp8_policy
+        if policy is not None and policy.runs(name):  # per expert: its own scales
+            x_ECD = x_ECD.astype(self.dtype)
+            if name in metas:
+                one = lambda x, w, m: fp8.fp8_einsum("CD,DF->CF", x, w, recipe=policy.recipe,
+                                                     out_dtype=self.dtype, meta=m)
+                return jax.vmap(one)(x_ECD, w_EDF, metas[name])
             one = lambda x, w: fp8.fp8_einsum("CD,DF->CF", x, w, recipe=policy.recipe,
                                               out_dtype=self.dtype)
-            return jax.vmap(one)(x_ECD.astype(self.dtype), w_EDF)
+            return jax.vmap(one)(x_ECD, w_EDF)
         return jnp.einsum("ECD,EDF->ECF", x_ECD.astype(self.dtype), w_EDF.astype(self.dtype))
 
-    def _experts(self, x_ECD, w_gate, w_up, w_down):
-        gate_ECF = self._expert_matmul("gate", x_ECD, w_gate)
-        up_ECF = self._expert_matmul("up", x_ECD, w_up)
+    def _experts(self, x_ECD, w_gate, w_up, w_down, metas):
+        gate_ECF = self._expert_matmul("gate", x_ECD, w_gate, metas)
+        up_ECF = self._expert_matmul("up", x_ECD, w_up, metas)
         hidden_ECF = checkpoint_name(jax.nn.silu(gate_ECF) * up_ECF, "mlp_hidden")
-        return self._expert_matmul("down", hidden_ECF, w_down)
+        return self._expert_matmul("down", hidden_ECF, w_down, metas)
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -198,17 +217,18 @@ class MoE(nn.Module):
         if expert_axis is not None and (mesh.empty or B % mesh.shape[expert_axis]
                                         or self.is_initializing()):
             expert_axis = None  # no mesh, a batch (init's dummy) that does not split: all local
+        metas = self._expert_metas()
         if expert_axis is None:
-            routed_BSD = self._dense(x, experts_BSK, weights_BSK, w_gate, w_up, w_down)
+            routed_BSD = self._dense(x, experts_BSK, weights_BSK, w_gate, w_up, w_down, metas)
         else:
             routed_BSD = self._all_to_all(expert_axis, x, experts_BSK, weights_BSK, w_gate, w_up,
-                                          w_down)
+                                          w_down, metas)
         if self.n_shared:
             shared = SwiGLU(self.n_shared * F, std, self.dtype, self.fp8_policy, name="shared")
             routed_BSD = routed_BSD + shared(x)
         return routed_BSD, stats
 
-    def _dense(self, x_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down):
+    def _dense(self, x_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down, metas):
         """All experts local (one device, or GSPMD's choice over a mesh)."""
         B, S, D = x_BSD.shape
         E, K = self.num_experts, self.experts_per_token
@@ -218,17 +238,18 @@ class MoE(nn.Module):
         x_ECD = dispatch(x_BSD.reshape(B * S, D), experts_TK, slots_TK, E, cap)
         # Named for remat policies: the combine's backward (the router weights' gradient) needs
         # the experts' outputs; saving them spares recomputing dispatch and experts.
-        y_ECD = checkpoint_name(self._experts(x_ECD, w_gate, w_up, w_down), "moe_routed")
+        y_ECD = checkpoint_name(self._experts(x_ECD, w_gate, w_up, w_down, metas), "moe_routed")
         return combine(y_ECD, experts_TK, slots_TK, weights_BSK.reshape(B * S, K)).reshape(B, S, D)
 
-    def _all_to_all(self, axis, x_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down):
+    def _all_to_all(self, axis, x_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down, metas):
         """Expert parallelism over mesh axis `axis`: tokens and experts both split over it."""
         E, K = self.num_experts, self.experts_per_token
 
         # Manual over `axis` only (tensor parallelism of the experts' F stays with GSPMD).
         # x [B, S, D] -> this device's [B/W, S, D]; experts/weights [B/W, S, K];
-        # w_gate/w_up [E/W, D, F], w_down [E/W, F, D]: this device's experts.
-        def local(x_bSD, experts_bSK, weights_bSK, w_gate, w_up, w_down):
+        # w_gate/w_up [E/W, D, F], w_down [E/W, F, D]: this device's experts (and their fp8
+        # state, delayed scaling: [E/W, ...]).
+        def local(x_bSD, experts_bSK, weights_bSK, w_gate, w_up, w_down, metas):
             b, S, D = x_bSD.shape
             W = lax.axis_size(axis)
             e = E // W
@@ -239,7 +260,7 @@ class MoE(nn.Module):
             # [owner W, e, C, D] -> all-to-all -> [source W, e, C, D]: my experts' slots from all.
             recv_WeCD = lax.all_to_all(send_ECD.reshape(W, e, cap, D), axis, 0, 0, tiled=True)
             x_eXD = recv_WeCD.transpose(1, 0, 2, 3).reshape(e, W * cap, D)
-            y_eXD = self._experts(x_eXD, w_gate, w_up, w_down)
+            y_eXD = self._experts(x_eXD, w_gate, w_up, w_down, metas)
             y_WeCD = y_eXD.reshape(e, W, cap, D).transpose(1, 0, 2, 3)
             back_ECD = checkpoint_name(  # as in `_dense`; also spares both all-to-alls
                 lax.all_to_all(y_WeCD, axis, 0, 0, tiled=True).reshape(E, cap, D), "moe_routed")
@@ -252,9 +273,11 @@ class MoE(nn.Module):
                             for name, mesh_axis in nn.get_logical_axis_rules())
         spec = P(axis)
         with nn.logical_axis_rules(local_rules):
-            return jax.shard_map(local, in_specs=(spec,) * 6, out_specs=spec, axis_names={axis},
+            return jax.shard_map(local, in_specs=(spec,) * 6 + (jax.tree.map(lambda _: spec,
+                                                                             metas),),
+                                 out_specs=spec, axis_names={axis},
                                  check_vma=False)(x_BSD, experts_BSK, weights_BSK, w_gate, w_up,
-                                                  w_down)
+                                                  w_down, metas)
 
 
 # ---------------------------------------------------------------------------------------------
