@@ -63,14 +63,6 @@ def upcast_gemm_inputs(stablehlo: str) -> int:
     return count
 
 
-_CUBLAS_FP8 = re.compile(r"= \((\w+\[[\d,]*\])[^=]*custom-call\(.*custom_call_target=\"__cublas\$lt\$matmul\$f8\"")
-
-
-def cublas_fp8_output_shapes(compiled_hlo: str) -> dict[str, int]:
-    """{"bf16[8192,4096]": count} of the outputs of every cuBLASLt fp8 GEMM in optimised HLO."""
-    return dict(collections.Counter(m[1] for m in _CUBLAS_FP8.finditer(compiled_hlo)))
-
-
 def expected_counts(trainer) -> tuple[int, int]:
     """(fp8 dots, high-precision dots) the precision policy implies for one step's program."""
     model = trainer.model
@@ -130,7 +122,7 @@ def main(argv=None) -> dict:
         result["triton_fp8_fusions"] = len(re.findall(r"__triton_gemm[^\n]*f8e", hlo))
         # Output shapes of the cuBLASLt fp8 calls: set against fp8_gemm_shapes, a call wider
         # than any dot is two dots sharing an operand that XLA's dot merger joined.
-        result["cublas_fp8_gemm_shapes"] = cublas_fp8_output_shapes(hlo)
+        result["cublas_fp8_gemm_shapes"] = gemms.cublas_fp8_output_shapes(hlo)
         # fp8 dots XLA did not hand to cuBLASLt (e.g. a layout it could not rewrite)
         result["fp8_dots_left_in_hlo"] = [line.strip()[:240] for line in hlo.splitlines()
                                           if " dot(" in line and "f8e" in line]

@@ -526,7 +526,7 @@ def test_fp8_hlo_finds_an_fp8_value_upcast_into_a_bf16_gemm():
 def test_fp8_hlo_reads_cublas_fp8_output_shapes():
     """The GPU-only count, on optimised-HLO lines written out by hand (the shape of XLA's
     custom calls): only the fp8 target counts, by its output's shape."""
-    import fp8_hlo  # pylint: disable=import-outside-toplevel
+    from dsjax.metrics import gemms  # pylint: disable=import-outside-toplevel
 
     call = ('  %custom-call.{i} = ({out}{{1,0}}, s8[33554432]{{0}}) custom-call(%a, %b, %c, %c, '
             '%c, %c), custom_call_target="{target}", backend_config={{"alpha_real":1}}\n')
@@ -534,7 +534,7 @@ def test_fp8_hlo_reads_cublas_fp8_output_shapes():
            + call.format(i=2, out="bf16[256,512]", target="__cublas$lt$matmul$f8")
            + call.format(i=3, out="bf16[256,512]", target="__cublas$lt$matmul$f8")
            + call.format(i=4, out="f32[256,512]", target="__cublas$lt$matmul"))
-    assert fp8_hlo.cublas_fp8_output_shapes(hlo) == {"bf16[256,1024]": 1, "bf16[256,512]": 2}
+    assert gemms.cublas_fp8_output_shapes(hlo) == {"bf16[256,1024]": 1, "bf16[256,512]": 2}
 
 
 @pytest.mark.slow

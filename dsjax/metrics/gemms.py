@@ -4,6 +4,7 @@ cuBLASLt fp8 GEMMs of compiled GPU HLO. Used to check what XLA is handed and wha
 
 from __future__ import annotations
 
+import collections
 import re
 
 _DOT_SIGNATURE = re.compile(
@@ -28,3 +29,12 @@ def dot_general_dtypes(stablehlo: str) -> list[tuple[str, str, str]]:
 def fp8_gemm_calls(compiled_hlo: str) -> int:
     """How many cuBLASLt fp8 GEMMs a compiled GPU program calls (`compiled.as_text()`); 0 on CPU."""
     return compiled_hlo.count("__cublas$lt$matmul$f8")
+
+
+_CUBLAS_FP8 = re.compile(r"= \((\w+\[[\d,]*\])[^=]*custom-call\("
+                         r".*custom_call_target=\"__cublas\$lt\$matmul\$f8\"")
+
+
+def cublas_fp8_output_shapes(compiled_hlo: str) -> dict[str, int]:
+    """{"bf16[8192,4096]": count} of the outputs of every cuBLASLt fp8 GEMM in optimised HLO."""
+    return dict(collections.Counter(m[1] for m in _CUBLAS_FP8.finditer(compiled_hlo)))

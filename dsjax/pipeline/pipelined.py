@@ -40,7 +40,8 @@ class Pipelined(StagedModel):
         """With mesh.fsdp: `params` all-gathered over `data` (each stage's weights whole,
         still split over the stages and `tensor`), before the schedule's shard_map. XLA's SPMD
         partitioner fails on data-sharded weights inside it; outside it the gather is one
-        all-gather per step, and the gradients' way back through it a reduce-scatter."""
+        all-gather per step, and the gradients come back through it summed over `data` and
+        sliced to the fsdp sharding (an all-reduce and a slice in the CPU HLO)."""
         if self.gathered is None:
             return params
         treedef, specs = self.gathered
