@@ -9,8 +9,8 @@ on each section being well-formed (e.g. the layers split into pipeline chunks).
 from __future__ import annotations
 
 from dsjax import remat
-from dsjax.config.sections import (HAND_BACKWARD_SCHEDULES, INTERLEAVED_SCHEDULES, Config,
-                                   chunks_per_stage)
+from dsjax.config.sections import (HAND_BACKWARD_SCHEDULES, TRAINABLE_GROUPS, INTERLEAVED_SCHEDULES, Config,
+                                   chunks_per_stage, trainable_groups)
 from dsjax.errors import ConfigError
 
 
@@ -59,6 +59,12 @@ def compositions(cfg: Config) -> None:
         raise ConfigError("model.n_routed_experts: optim.name='onebit_adam' needs every "
                           "parameter replicated over `data`, and experts are sharded over it; "
                           "use optim.name='adamw' for MoE models")
+
+    if o.name == "onebit_adam" and trainable_groups(cfg.train.trainable) != TRAINABLE_GROUPS:
+        # Its compressed buckets and error buffers span every parameter (docs/multimodal.md).
+        raise ConfigError(f"train.trainable: optim.name='onebit_adam' trains every parameter "
+                          f"group; freezing some ({cfg.train.trainable!r}) needs "
+                          f"optim.name='adamw' (stage 1 of a vision-language run is short)")
 
     # Recomputation.
     if cfg.remat.policy == "auto" and cfg.remat.layers != "all":

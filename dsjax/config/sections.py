@@ -12,6 +12,8 @@ import json
 import typing
 from typing import Any
 
+from dsjax.errors import ConfigError, unknown_choice
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -96,6 +98,11 @@ class DataConfig:
     tokenizer: str = "byte"  # byte-level tokens (a prepared split records its own tokenizer)
     eval_batches: int = 8  # held-out batches per evaluation
     prefetch: int = 2  # batches prefetched by Grain
+    # Mixing and media (docs/multimodal.md).
+    mix: str = ""  # "name:weight,..." prepared sources under data.path/NAME, sampled by weight
+                   # (e.g. "text:0.5,image:0.3,video:0.2"); "" = data.path alone
+    video_fps: float = 2.0  # video frames sampled per second of video (at prepare time)
+    max_frames: int = 4  # video frames kept per clip, each one image slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,9 @@ class TrainConfig:
     max_consecutive_skips: int = 10  # then stop anyway
     loss_scale_init: float = 32768.0  # float16 dynamic loss scale: start
     loss_scale_growth: int = 2000  # float16: double the scale after this many finite steps
+    trainable: str = "all"  # parameter groups that learn: all, or a comma list of vision,
+                            # projector, lm (the others and their optimizer state stay as they
+                            # are; docs/multimodal.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +245,56 @@ class MetricsConfig:
     cost_per_gpu_hour: float = 0.0  # price of one device-hour: records cost_per_mtok (0 = off)
 
 
+VISION_TOWERS = ("none", "siglip")
+PROJECTORS = ("mlp", "downsample_mlp")
+TRAINABLE_GROUPS = ("vision", "projector", "lm")
+
+
+def trainable_groups(trainable: str) -> tuple[str, ...]:
+    """`train.trainable` -> the parameter groups that learn (TRAINABLE_GROUPS order)."""
+    names = [s.strip() for s in trainable.split(",") if s.strip()]
+    if names == ["all"]:
+        return TRAINABLE_GROUPS
+    if not names:
+        raise ConfigError("train.trainable: names no parameter group; use 'all' or a comma "
+                          f"list of {', '.join(TRAINABLE_GROUPS)}")
+    for name in names:
+        if name not in TRAINABLE_GROUPS:
+            raise ConfigError(unknown_choice("parameter group", name,
+                                             TRAINABLE_GROUPS + ("all (alone)",),
+                                             "train.trainable"))
+    return tuple(g for g in TRAINABLE_GROUPS if g in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    # A vision tower and projector in front of the decoder (DeepSeek-VL; docs/multimodal.md).
+    # The defaults are DeepSeek-VL's SigLIP-L/16 at 384 pixels; tower "none" is a text model.
+    tower: str = "none"  # none | siglip
+    image_size: int = 384  # pixels per image side (media are resized to it when prepared)
+    patch_size: int = 16  # pixels per patch side: (image_size / patch_size)^2 patches per image
+    hidden_size: int = 1024  # tower width
+    num_layers: int = 24  # tower blocks (scanned)
+    num_heads: int = 16  # tower attention heads
+    mlp_dim: int = 4096  # tower MLP hidden width
+    norm_eps: float = 1e-6  # tower LayerNorm epsilon
+    projector: str = "mlp"  # mlp (DeepSeek-VL: Linear, GELU, Linear) | downsample_mlp
+                            # (DeepSeek-VL2: 2x2 pixel-unshuffle, then the MLP; 4x fewer tokens)
+    max_images: int = 4  # image slots per row: images and video frames a row may hold
+    image_token_id: int = -1  # the placeholder id; -1 = the first id after the text vocabulary
+    frame_token_id: int = -1  # the separator between video frames; -1 = image_token_id + 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.tower != "none"
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Decoder positions one image (or video frame) takes."""
+        side = self.image_size // self.patch_size
+        return side * side // (4 if self.projector == "downsample_mlp" else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str
@@ -249,6 +309,7 @@ class Config:
     batch: BatchConfig
     checkpoint: CheckpointConfig
     metrics: MetricsConfig
+    vision: VisionConfig
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,7 +13,8 @@ import os
 
 from dsjax import remat
 from dsjax.config.compositions import compositions
-from dsjax.config.sections import PIPELINE_SCHEDULES, Config, ModelConfig, chunks_per_stage
+from dsjax.config.sections import (PIPELINE_SCHEDULES, PROJECTORS, VISION_TOWERS, Config,
+                                   ModelConfig, chunks_per_stage, trainable_groups)
 from dsjax.errors import ConfigError, one_of
 from dsjax.runtime import xla_flags
 
@@ -54,6 +55,7 @@ def validate(cfg: Config) -> None:
     validate_remat(cfg)
     validate_pipeline(cfg)
     validate_batch(cfg)
+    validate_vision(cfg)
     _bounds("checkpoint", cfg.checkpoint, positive="keep", non_negative="every")
     if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
         raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
@@ -144,6 +146,29 @@ def validate_data(cfg: Config) -> None:
     if d.global_batch % cfg.mesh.data:
         raise ConfigError(f"data.global_batch: {d.global_batch} is not divisible by mesh.data "
                           f"{cfg.mesh.data}")
+    _bounds("data", d, positive="video_fps max_frames")
+    if d.mix:
+        if d.source != "prepared":
+            raise ConfigError(f"data.mix: mixes prepared sources (data.path/NAME); set "
+                              f"data.source='prepared', got {d.source!r}")
+        mix_weights(d.mix)
+
+
+def mix_weights(mix: str) -> dict[str, float]:
+    """`data.mix` ("name:weight,...") -> {name: weight}, in order; ConfigError naming the entry."""
+    weights = {}
+    for item in (s.strip() for s in mix.split(",")):
+        name, sep, weight = item.partition(":")
+        name = name.strip()
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not name or not value > 0 or name in weights:
+            raise ConfigError(f"data.mix: {item!r} is not NAME:WEIGHT with a new name and a "
+                              f"weight > 0 (e.g. 'text:0.5,image:0.3,video:0.2')")
+        weights[name] = value
+    return weights
 
 
 def validate_train(cfg: Config) -> None:
@@ -152,6 +177,34 @@ def validate_train(cfg: Config) -> None:
             "loss_scale_growth", non_negative="eval_every sample_tokens")
     one_of("train.nonfinite", t.nonfinite, NONFINITE_POLICIES, "policy")
     one_of("train.compute_dtype", t.compute_dtype, COMPUTE_DTYPES, "dtype")
+    trainable_groups(t.trainable)
+
+
+def validate_vision(cfg: Config) -> None:
+    v = cfg.vision
+    one_of("vision.tower", v.tower, VISION_TOWERS, "tower")
+    one_of("vision.projector", v.projector, PROJECTORS, "projector")
+    _bounds("vision", v, positive="image_size patch_size hidden_size num_layers num_heads "
+            "mlp_dim norm_eps max_images")
+    if v.image_size % v.patch_size:
+        raise ConfigError(f"vision.image_size: {v.image_size} is not a multiple of "
+                          f"vision.patch_size {v.patch_size}")
+    if v.projector == "downsample_mlp" and (v.image_size // v.patch_size) % 2:
+        raise ConfigError(f"vision.projector: downsample_mlp merges 2 x 2 patches, and "
+                          f"image_size / patch_size = {v.image_size // v.patch_size} is odd")
+    if v.hidden_size % v.num_heads:
+        raise ConfigError(f"vision.hidden_size: {v.hidden_size} is not divisible by "
+                          f"vision.num_heads {v.num_heads}")
+    for key in ("image_token_id", "frame_token_id"):
+        value = getattr(v, key)
+        if value < -1 or value >= cfg.model.vocab_size:
+            raise ConfigError(f"vision.{key}: {value} is outside the vocabulary [0, "
+                              f"model.vocab_size={cfg.model.vocab_size}) (-1: the first ids "
+                              f"after the text tokenizer's)")
+    groups = trainable_groups(cfg.train.trainable)
+    if not v.enabled and cfg.train.trainable.strip() != "all" and set(groups) - {"lm"}:
+        raise ConfigError(f"train.trainable: {cfg.train.trainable!r} names vision parameter "
+                          f"groups, and vision.tower is 'none' (a text model has only 'lm')")
 
 
 def validate_fp8(cfg: Config) -> None:

@@ -16,6 +16,8 @@ import optax
 
 from dsjax import sharding
 from dsjax.config import OptimConfig
+from dsjax.config.sections import TRAINABLE_GROUPS
+from dsjax.optim.groups import only_trainable
 from dsjax.optim.onebit import OneBitAdam, onebit_adam
 
 
@@ -35,9 +37,12 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int
+def make_optimizer(cfg: OptimConfig, total_steps: int,
+                   trainable: tuple[str, ...] = TRAINABLE_GROUPS
                    ) -> tuple[optax.GradientTransformation | OneBitAdam, Callable[[Any], Any]]:
-    """(optimizer, lr schedule of the number of steps taken) for `cfg.name`."""
+    """(optimizer, lr schedule of the number of steps taken) for `cfg.name`. `trainable`: the
+    parameter groups that learn (train.trainable; dsjax.optim.groups): the others get zero
+    updates and no optimizer state (AdamW; 1-bit Adam trains every group)."""
     schedule = make_schedule(cfg, total_steps)
     if cfg.name == "onebit_adam":
         # Hierarchical: the axes of `sharding.host_view`, 1-bit across hosts and exact inside
@@ -58,4 +63,4 @@ def make_optimizer(cfg: OptimConfig, total_steps: int
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                              weight_decay=cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), schedule
+    return only_trainable(optax.chain(*parts), trainable), schedule

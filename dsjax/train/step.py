@@ -16,9 +16,11 @@ from flax import struct
 
 from dsjax import fp8
 from dsjax.batching import accumulate, scale_updates
+from dsjax.config.sections import TRAINABLE_GROUPS
 from dsjax.model import moe
 from dsjax.optim import OneBitAdam
 from dsjax.optim import loss_scale as ls
+from dsjax.optim.groups import stop_frozen
 
 
 @struct.dataclass
@@ -34,6 +36,8 @@ class TrainState:
     fp8_margin: float = struct.field(pytree_node=False, default=0.0)
     router_bias_speed: float = struct.field(pytree_node=False, default=0.0)  # MoE sigmoid
                             # routers: aux-loss-free bias step after each step (DeepSeek-V3)
+    trainable: tuple[str, ...] = struct.field(pytree_node=False, default=TRAINABLE_GROUPS)
+                            # parameter groups that learn (train.trainable, dsjax.optim.groups)
 
 
 def finite_by_group(grads: Any) -> dict[str, jax.Array]:
@@ -83,8 +87,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
 
     def micro_grads(micro):
         def scaled_loss(params, fp8_meta):
-            loss, tokens, aux = state.objective.loss_and_aux(params, micro, fp8_meta,
-                                                             state.loss_scale.scale)
+            loss, tokens, aux = state.objective.loss_and_aux(
+                stop_frozen(params, state.trainable), micro, fp8_meta, state.loss_scale.scale)
             if accumulating:  # this micro-batch's share of the whole batch's mean loss
                 share = tokens / count
                 loss = loss * share

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from dsjax import batching, fp8, pipeline, remat_plan, sharding
 from dsjax import metrics as mx
-from dsjax.config import Config
+from dsjax.config import Config, trainable_groups
 from dsjax.errors import ConfigError
 from dsjax.model import ModelLoss, Transformer, count_params
 from dsjax.model.build import make_model
@@ -154,7 +154,8 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
         cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy,
                                                                  layers=layers))
     model = make_model(cfg)
-    tx, lr_fn = make_optimizer(cfg.optim, cfg.train.steps)
+    trainable = trainable_groups(cfg.train.trainable)
+    tx, lr_fn = make_optimizer(cfg.optim, cfg.train.steps, trainable)
     onebit = isinstance(tx, OneBitAdam)
     dummy = jnp.zeros((1, min(cfg.data.seq_len, 8)), jnp.int32)
     loss_scale = (ls.dynamic_scale(cfg.train.loss_scale_init, cfg.train.loss_scale_growth)
@@ -178,7 +179,8 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
                           objective=objective, tx=tx, lr_fn=lr_fn,
                           fp8_margin=model.fp8_policy.margin if model.fp8_policy else 0.0,
                           router_bias_speed=(cfg.model.bias_update_speed
-                                             if cfg.model.scoring == "sigmoid" else 0.0))
+                                             if cfg.model.scoring == "sigmoid" else 0.0),
+                          trainable=trainable)
 
     # Optimizer moments mirror the boxed params, so they inherit the same logical axis names.
     abstract = jax.eval_shape(init_boxed, jax.random.key(0))
