@@ -9,8 +9,8 @@ on each section being well-formed (e.g. the layers split into pipeline chunks).
 from __future__ import annotations
 
 from dsjax import remat
-from dsjax.config.sections import (HAND_BACKWARD_SCHEDULES, TRAINABLE_GROUPS, INTERLEAVED_SCHEDULES, Config,
-                                   chunks_per_stage, trainable_groups)
+from dsjax.config.sections import (HAND_BACKWARD_SCHEDULES, INTERLEAVED_SCHEDULES,
+                                   TRAINABLE_GROUPS, Config, chunks_per_stage, trainable_groups)
 from dsjax.errors import ConfigError
 
 
