@@ -7,14 +7,12 @@ Two passes over the input: the first reads and checks every document (so a bad l
 anything is written) and assigns it to train or eval by a seeded hash of its *content* -- the
 same text always lands in the same split, so duplicates cannot leak from train into eval; the
 second tokenizes and writes. Bad input exits with code 2 and one line naming the file and line.
+`--format multimodal` (JSONL with images and videos, `--image_size N`) is `mm_prepare`.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import hashlib
-import json
 import os
 import re
 import sys
@@ -23,34 +21,12 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from dsjax.errors import DataError
+from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
+from dsjax.data.mm_prepare import prepare_multimodal
 from dsjax.data.shards import ShardWriter
 from dsjax.data.tokenizers import load_tokenizer
 
 FORMATS = ("text", "jsonl")
-
-
-def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Files, directories (recursively; hidden files skipped) and globs -> sorted file paths."""
-    files = []
-    for spec in inputs:
-        if glob.has_magic(spec):
-            matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-            if not matches:
-                raise DataError(f"{spec}: no files match")
-            files.extend(matches)
-        elif os.path.isdir(spec):
-            found = []
-            for dirpath, dirnames, filenames in os.walk(spec):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                found.extend(os.path.join(dirpath, n) for n in filenames if not n.startswith("."))
-            if not found:
-                raise DataError(f"{spec}: directory has no input files")
-            files.extend(sorted(found))
-        elif os.path.isfile(spec):
-            files.append(spec)
-        else:
-            raise DataError(f"{spec}: input file not found")
-    return files
 
 
 def _text_documents(path: str, split_on_blank_lines: bool) -> Iterator[str]:
@@ -72,29 +48,15 @@ def _text_documents(path: str, split_on_blank_lines: bool) -> Iterator[str]:
 
 
 def _jsonl_documents(path: str, field: str) -> Iterator[str]:
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: not valid UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            if field not in record:
-                raise DataError(f"{where}: missing field {field!r} (has {sorted(record)[:5]})")
-            value = record[field]
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{where}: field {field!r} is {type(value).__name__}, expected a string")
-            if value:
-                yield value
+    for where, record in jsonl_records(path):
+        if field not in record:
+            raise DataError(f"{where}: missing field {field!r} (has {sorted(record)[:5]})")
+        value = record[field]
+        if not isinstance(value, str):
+            raise DataError(
+                f"{where}: field {field!r} is {type(value).__name__}, expected a string")
+        if value:
+            yield value
 
 
 def iter_documents(files: Sequence[str], fmt: str, jsonl_field: str = "text",
@@ -109,12 +71,6 @@ def iter_documents(files: Sequence[str], fmt: str, jsonl_field: str = "text",
             yield from _jsonl_documents(path, jsonl_field)
 
 
-def _eval_score(text: str, seed: int) -> float:
-    """Stable, seeded hash of a document's content, uniform in [0, 1)."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
-    return int.from_bytes(digest, "little") / 2**64
-
-
 def prepare(inputs: Sequence[str] | str, fmt: str, tokenizer_spec: str, out_dir: str,
             eval_fraction: float = 0.01, seed: int = 0, jsonl_field: str = "text",
             split_on_blank_lines: bool = False, shard_tokens: int = 2**24,
@@ -126,18 +82,14 @@ def prepare(inputs: Sequence[str] | str, fmt: str, tokenizer_spec: str, out_dir:
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    existing = [os.path.join(out_dir, split) for split in ("train", "eval")
-                if os.path.exists(os.path.join(out_dir, split))]
-    if existing and not overwrite:
-        raise DataError(f"--out {out_dir}: {' and '.join(existing)} exist already; nothing was "
-                        f"written. Pass --overwrite to replace them, or choose another --out")
+    check_out_dir(out_dir, overwrite)
     if isinstance(inputs, str):
         inputs = [inputs]
     files = expand_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_spec)
 
     # Pass 1: validate everything and score each document before touching out_dir.
-    scores = np.array([_eval_score(doc, seed)
+    scores = np.array([eval_score(doc, seed)
                        for doc in iter_documents(files, fmt, jsonl_field, split_on_blank_lines)])
     if scores.size == 0:
         raise DataError(f"empty input: no non-empty documents in {', '.join(files)}")
@@ -162,8 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True,
                         help="file, directory or glob; repeatable")
-    parser.add_argument("--format", choices=FORMATS, default="text",
-                        help="text: a file (or paragraph) per document; jsonl: a line per document")
+    parser.add_argument("--format", choices=FORMATS + ("multimodal",), default="text",
+                        help="text: a file (or paragraph) per document; jsonl: a line per "
+                        "document; multimodal: JSONL records with 'images' or 'video'")
     parser.add_argument("--split_on_blank_lines", action="store_true",
                         help="text format: each blank-line-separated paragraph is a document")
     parser.add_argument("--jsonl_field", default="text", help="jsonl: the field holding the text")
@@ -174,17 +127,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace train/ and eval/ if --out holds them already")
+    parser.add_argument("--image_size", type=int, default=0,
+                        help="multimodal: images and video frames are resized to N x N")
+    parser.add_argument("--video_fps", type=float, default=1.0,
+                        help="multimodal: video frames sampled per second of presentation time")
+    parser.add_argument("--max_frames", type=int, default=8, help="multimodal: frames per video")
+    parser.add_argument("--shard_images", type=int, default=1024,
+                        help="multimodal: images per shard file")
     args = parser.parse_args(argv)
     try:
-        result = prepare(args.input, args.format, args.tokenizer, args.out, args.eval_fraction,
-                         args.seed, args.jsonl_field, args.split_on_blank_lines, args.shard_tokens,
-                         args.overwrite)
+        if args.format == "multimodal":
+            result = prepare_multimodal(args.input, args.tokenizer, args.out, args.image_size,
+                                        args.video_fps, args.max_frames, args.eval_fraction,
+                                        args.seed, args.shard_tokens, args.shard_images,
+                                        args.overwrite)
+        else:
+            result = prepare(args.input, args.format, args.tokenizer, args.out,
+                             args.eval_fraction, args.seed, args.jsonl_field,
+                             args.split_on_blank_lines, args.shard_tokens, args.overwrite)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    images = lambda meta: f", {meta['num_images']:,} images" if "num_images" in meta else ""
     summary = "; ".join(f"{result[s + '_dir']}: {result[s]['num_docs']:,} docs, "
-                        f"{result[s]['num_tokens']:,} tokens" for s in ("train", "eval"))
+                        f"{result[s]['num_tokens']:,} tokens{images(result[s])}"
+                        for s in ("train", "eval"))
     print(f"wrote {summary}")
+    skipped = result.get("skipped", [])
+    if skipped:
+        print(f"skipped {len(skipped)} record(s) with bad media:")
+        for line in skipped:
+            print(f"  {line}")
     return 0
 
 

@@ -10,6 +10,9 @@ never changes which examples a step sees. The whole state is the cursor, a tiny 
 
 Batch keys, each [batch, seq_len]: inputs, targets (int32), segment_ids, positions (int32; the
 attention mask and RoPE use them), weights (float32; 0 where the target starts a new document).
+Multimodal rows (`mm_pack`) add pixels [batch, max_images, size, size, 3] uint8 and image_mask
+[batch, max_images] bool, and their weights are also 0 where the target is an image placeholder,
+a frame separator or padding. Mixed streams (`mixture`) build on `SampleStream.over`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from dsjax.data.shards import PackedSource
 
 
 def make_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One packed row of seq_len + 1 tokens -> next-token example of seq_len positions."""
+    """One packed row of seq_len + 1 tokens -> next-token example of seq_len positions.
+
+    A row with "target_mask" [seq_len + 1] (multimodal) also zeroes the weights where the target
+    is masked, and passes its "pixels" and "image_mask" through.
+    """
     tokens, seg = row["tokens"], row["segment_ids"]
     seq_len = tokens.shape[-1] - 1
     in_seg = seg[:-1]
@@ -30,14 +37,21 @@ def make_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     is_start[1:] = in_seg[1:] != in_seg[:-1]
     # Position = distance to the most recent segment start at or before each index.
     positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
-    return {
+    # Predicting the first token of the next document from the previous one's eos is noise.
+    weights = seg[:-1] == seg[1:]
+    if "target_mask" in row:
+        weights = weights & row["target_mask"][1:]
+    example = {
         "inputs": tokens[:-1].astype(np.int32),
         "targets": tokens[1:].astype(np.int32),
         "segment_ids": in_seg.astype(np.int32),
         "positions": positions.astype(np.int32),
-        # Predicting the first token of the next document from the previous one's eos is noise.
-        "weights": (seg[:-1] == seg[1:]).astype(np.float32),
+        "weights": weights.astype(np.float32),
     }
+    for key in ("pixels", "image_mask"):
+        if key in row:
+            example[key] = row[key]
+    return example
 
 
 def _examples(split_dir: str, seq_len: int, seed: int, process_index: int, process_count: int):
@@ -80,9 +94,22 @@ class SampleStream:
     def __init__(self, split_dir: str, seq_len: int, seed: int, process_index: int = 0,
                  process_count: int = 1, prefetch: int = 2, prefetch_rows: int = 64,
                  legacy_batch: int = 0):
+        ds = _examples(split_dir, seq_len, seed, process_index, process_count)
+        self._start(ds, process_count, prefetch, prefetch_rows, legacy_batch)
+
+    @classmethod
+    def over(cls, dataset, process_count: int = 1, prefetch: int = 2,
+             prefetch_rows: int = 64) -> "SampleStream":
+        """A stream over any infinite `grain.MapDataset` of this process's examples (items p, p+P,
+        ... of a global stream), e.g. a mixture of sources; same cursor and state."""
+        stream = cls.__new__(cls)
+        stream._start(dataset, process_count, prefetch, prefetch_rows, legacy_batch=0)
+        return stream
+
+    def _start(self, ds, process_count: int, prefetch: int, prefetch_rows: int,
+               legacy_batch: int) -> None:
         import grain  # pylint: disable=g-import-not-at-top
 
-        ds = _examples(split_dir, seq_len, seed, process_index, process_count)
         options = grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=prefetch_rows)
         self._it = iter(ds.to_iter_dataset(options))
         self.process_count = process_count

@@ -1,0 +1,108 @@
+"""Image and video files -> uint8 RGB arrays of one square size, for the multimodal shards.
+
+Images are decoded with Pillow, videos (and animated GIFs given as video) with PyAV, whose wheels
+ship FFmpeg. Every frame is resized to (size, size) with bicubic resampling and no crop: SigLIP and
+CLIP-style encoders (DeepSeek-VL's included) are trained on bicubic-resized squares, and squashing
+keeps content a centre crop would cut away. Video frames are sampled by presentation time at a
+fixed rate, so a 60 fps and a 25 fps clip of the same scene give the same frames.
+
+Every failure is a `MediaError` (a `DataError`) naming the file and the reason; the prepare tool
+tells these apart from malformed records, which stop it, because a bad media file only skips its
+record.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dsjax.errors import DataError
+
+# A frame whose time is within this of a sample time counts as shown at it: presentation times are
+# exact fractions, the sample grid k / fps is a float.
+_TIME_EPS = 1e-6
+
+
+class MediaError(DataError):
+    """An image or video cannot be decoded; names the file and the reason."""
+
+
+def _check_size(size: int) -> None:
+    if size < 1:
+        raise ValueError(f"image size must be >= 1, got {size}")
+
+
+def _to_square(image, size: int) -> np.ndarray:
+    """A PIL image -> uint8 [size, size, 3] RGB (bicubic, aspect ratio not kept)."""
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+
+    rgb = image.convert("RGB")
+    if rgb.size != (size, size):
+        rgb = rgb.resize((size, size), Image.Resampling.BICUBIC)
+    return np.asarray(rgb, dtype=np.uint8).reshape(size, size, 3)
+
+
+def load_image(path: str, size: int) -> np.ndarray:
+    """Decodes an image file (its first frame if animated) to uint8 [size, size, 3] RGB."""
+    # Pillow is imported on use: `import dsjax.data` stays numpy-only.
+    from PIL import Image, UnidentifiedImageError  # pylint: disable=g-import-not-at-top
+
+    _check_size(size)
+    if not os.path.isfile(path):
+        raise MediaError(f"{path}: image file not found")
+    try:
+        with Image.open(path) as image:
+            image.load()  # open() reads only the header; truncated pixel data fails here
+            return _to_square(image, size)
+    except UnidentifiedImageError:
+        raise MediaError(f"{path}: not an image Pillow can read") from None
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as e:
+        raise MediaError(f"{path}: corrupt image ({e or type(e).__name__})") from None
+
+
+def load_video(path: str, size: int, fps: float, max_frames: int) -> np.ndarray:
+    """Decodes a video (or animated GIF) to uint8 [n, size, size, 3], 1 <= n <= max_frames.
+
+    Frame k is the frame on screen at time t0 + k / fps (t0: the first frame's presentation time),
+    for every such time up to the last frame's: sampling is by time, not every Nth decoded frame,
+    so variable frame rates sample evenly. Frames are resized as they stream past, so memory holds
+    one full-size frame.
+    """
+    import av  # pylint: disable=g-import-not-at-top
+
+    _check_size(size)
+    if fps <= 0 or max_frames < 1:
+        raise ValueError(f"need fps > 0 and max_frames >= 1, got {fps}, {max_frames}")
+    if not os.path.isfile(path):
+        raise MediaError(f"{path}: video file not found")
+    out: list[np.ndarray] = []
+    prev, prev_time, first = None, 0.0, None
+    try:
+        with av.open(path) as container:
+            if not container.streams.video:
+                raise MediaError(f"{path}: no video stream")
+            for frame in container.decode(container.streams.video[0]):
+                if frame.time is None:
+                    raise MediaError(f"{path}: a frame has no presentation time")
+                time = float(frame.time)
+                if prev is not None and time < prev_time:
+                    continue  # out of presentation order: the frame shown already moved past it
+                first = time if first is None else first
+                # Sample times before this frame's showed the previous frame.
+                while prev is not None and len(out) < max_frames and (
+                        first + len(out) / fps < time - _TIME_EPS):
+                    out.append(_to_square(prev, size))
+                if len(out) == max_frames:
+                    break
+                prev, prev_time = frame.to_image(), time
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, EOFError) as e:
+        raise MediaError(f"{path}: unreadable video ({e or type(e).__name__})") from None
+    if prev is None:
+        raise MediaError(f"{path}: video has zero frames")
+    # The last frame answers every remaining sample time up to its own presentation time.
+    while len(out) < max_frames and first + len(out) / fps <= prev_time + _TIME_EPS:
+        out.append(_to_square(prev, size))
+    return np.stack(out)

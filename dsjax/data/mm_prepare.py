@@ -1,0 +1,165 @@
+"""JSONL image/video/text records -> multimodal train/eval splits (`mm_shards`).
+
+  python -m dsjax.data.prepare --format multimodal --input data.jsonl --image_size 384 --out mm/
+
+Records: {"text"}; {"text", "images": [paths]} with one "<image>" per image in the text
+(interleaved, or none and a single image, which then goes before the text); {"text", "video":
+path} with one "<video>" or none (the video then goes first). Relative paths resolve against the
+JSONL file's directory. The same two passes as the text formats: the first checks every record's
+structure (a malformed record stops the job, naming it, before anything is written) and assigns
+it to train or eval by a hash of its content; the second decodes media and writes. A record whose
+image or video cannot be decoded is skipped, counted and named in the summary; only if no record
+is left does prepare fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from dsjax.errors import DataError
+from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
+from dsjax.data.media import MediaError, load_image, load_video
+from dsjax.data.mm_shards import MultimodalWriter, special_ids
+from dsjax.data.tokenizers import load_tokenizer
+
+IMAGE = "<image>"
+VIDEO = "<video>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One checked JSONL record; media paths already resolved."""
+    where: str  # "file:line"
+    text: str
+    images: tuple[str, ...] = ()
+    video: str | None = None
+
+    @property
+    def modality(self) -> str:
+        return "video" if self.video else ("image" if self.images else "text")
+
+    def content(self) -> str:
+        """What the split hash sees: the text and the media it refers to."""
+        return "\0".join((self.text, *self.images, self.video or ""))
+
+
+def parse_record(where: str, record: dict, base_dir: str) -> Record:
+    """Checks one JSON object's fields and placeholder counts; a DataError names `where`."""
+    for typo, field in (("image", "images"), ("videos", "video")):
+        if typo in record:  # other extra fields (ids, sources) are ignored
+            raise DataError(f"{where}: unknown field {typo!r}; did you mean {field!r}?")
+    text = record.get("text")
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field 'text' is {type(text).__name__}, expected a string")
+    images, video = record.get("images", []), record.get("video")
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise DataError(f"{where}: field 'images' must be a list of file paths")
+    if video is not None and (not isinstance(video, str) or not video):
+        raise DataError(f"{where}: field 'video' must be a file path")
+    if images and video:
+        raise DataError(f"{where}: a record has 'images' or 'video', not both")
+    placeholders = text.count(IMAGE)
+    if placeholders != len(images) and not (placeholders == 0 and len(images) == 1):
+        raise DataError(f"{where}: {placeholders} {IMAGE} placeholders in the text but "
+                        f"{len(images)} images")
+    videos = text.count(VIDEO)
+    if videos > (1 if video else 0):
+        raise DataError(f"{where}: {videos} {VIDEO} placeholders in the text but "
+                        f"{1 if video else 0} videos")
+    resolve = lambda p: os.path.normpath(os.path.join(base_dir, p))  # absolute paths stay
+    return Record(where, text, tuple(resolve(p) for p in images),
+                  resolve(video) if video else None)
+
+
+def iter_records(files: Sequence[str]) -> Iterator[Record]:
+    for path in files:
+        base_dir = os.path.dirname(os.path.abspath(path))
+        for where, record in jsonl_records(path):
+            parsed = parse_record(where, record, base_dir)
+            if parsed.text or parsed.images or parsed.video:
+                yield parsed
+
+
+def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
+                   max_frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids with placeholders, uint8 [n, size, size, 3] images); a MediaError names the
+    record when a file cannot be decoded."""
+    image_id, frame_id = special_ids(tokenizer.vocab_size)
+    try:
+        if record.video:
+            frames = load_video(record.video, image_size, video_fps, max_frames)
+            media_ids = [np.array([image_id] + [frame_id, image_id] * (frames.shape[0] - 1))]
+            pieces = record.text.split(VIDEO)
+        else:
+            frames = np.stack([load_image(p, image_size) for p in record.images]) if (
+                record.images) else np.zeros((0, image_size, image_size, 3), np.uint8)
+            media_ids = [np.array([image_id])] * len(record.images)
+            pieces = record.text.split(IMAGE)
+    except MediaError as e:
+        raise MediaError(f"{record.where}: {e}") from None
+    if media_ids and len(pieces) == 1:  # no placeholder: the media go first
+        pieces = ["", pieces[0]]
+    parts = [tokenizer.encode(pieces[0])]
+    for ids, piece in zip(media_ids, pieces[1:]):
+        parts += [ids, tokenizer.encode(piece)]
+    return np.concatenate(parts).astype(np.int64), frames
+
+
+def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir: str,
+                       image_size: int, video_fps: float = 1.0, max_frames: int = 8,
+                       eval_fraction: float = 0.01, seed: int = 0, shard_tokens: int = 2**24,
+                       shard_images: int = 1024, overwrite: bool = False) -> dict:
+    """Writes `out_dir/train` and `out_dir/eval` in the multimodal format.
+
+    Returns {"train": meta, "eval": meta, "train_dir", "eval_dir", "skipped": ["file:line:
+    reason", ...]} (records skipped for an undecodable image or video).
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if image_size < 1:
+        raise DataError(f"--image_size must be >= 1 for --format multimodal, got {image_size}")
+    if video_fps <= 0 or max_frames < 1:
+        raise DataError(f"--video_fps must be > 0 and --max_frames >= 1, got {video_fps}, "
+                        f"{max_frames}")
+    check_out_dir(out_dir, overwrite)
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    files = expand_inputs(inputs)
+    tokenizer = load_tokenizer(tokenizer_spec)
+
+    # Pass 1: every record's structure, and its split, before touching out_dir.
+    scores = np.array([eval_score(r.content(), seed) for r in iter_records(files)])
+    if scores.size < 2:
+        raise DataError(f"{files[0]}: {scores.size} records; train and eval need at least one "
+                        "each")
+    to_eval = scores < eval_fraction
+    to_eval[np.argmin(scores)] = True
+    to_eval[np.argmax(scores)] = False
+
+    # Pass 2: decode and write; a record with a bad media file is skipped and named.
+    dirs = {"train": os.path.join(out_dir, "train"), "eval": os.path.join(out_dir, "eval")}
+    extra = {"video_fps": float(video_fps), "max_frames": int(max_frames)}
+    writers = {split: MultimodalWriter(d, tokenizer, image_size, shard_tokens, shard_images,
+                                       extra) for split, d in dirs.items()}
+    skipped, written = [], {"train": 0, "eval": 0}
+    for i, record in enumerate(iter_records(files)):
+        try:
+            ids, images = build_document(record, tokenizer, image_size, video_fps, max_frames)
+        except MediaError as e:
+            skipped.append(str(e))
+            continue
+        split = "eval" if to_eval[i] else "train"
+        writers[split].add(ids, images, record.modality, len(record.text.encode("utf-8")))
+        written[split] += 1
+    if not any(written.values()):
+        raise DataError(f"every one of {scores.size} records was skipped; first: {skipped[0]}")
+    for split, count in written.items():
+        if not count:
+            raise DataError(f"{dirs[split]}: no records left after skipping {len(skipped)} "
+                            f"with bad media (first: {skipped[0]})")
+    metas = {split: w.close() for split, w in writers.items()}
+    return {**metas, "train_dir": dirs["train"], "eval_dir": dirs["eval"], "skipped": skipped}
