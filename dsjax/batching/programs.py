@@ -55,7 +55,7 @@ class Programs:
         t = self.trainer
         fn = functools.partial(t.phase_fns[phase],
                                lr_scale=lr_scale(shape.batch, self.reference, self.rule))
-        batch = abstract_batch(t.batch_shardings, shape, self.seq_len)
+        batch = abstract_batch(t.batch_shardings, shape, self.seq_len, t.media)
         return jax.jit(fn, in_shardings=(t.state_shardings, {k: v.sharding
                                                               for k, v in batch.items()}),
                        out_shardings=(t.state_shardings, NamedSharding(t.mesh, P())),
@@ -65,7 +65,7 @@ class Programs:
         phase, accum, rows = key
         t = self.trainer
         shape = Shape(accum * rows, accum, self.data)
-        batch = abstract_batch(t.batch_shardings, shape, self.seq_len)
+        batch = abstract_batch(t.batch_shardings, shape, self.seq_len, t.media)
         with sharding.activate(t.mesh, t.rules):  # the logical rules are per thread
             compiled = self.jitted(phase, shape).lower(t.abstract_state(), batch).compile()
         self.memory[key] = predicted_bytes(compiled)

@@ -41,10 +41,10 @@ def lr_scale(batch: int, reference: int, rule: str) -> float:
     return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
-def step_sharding(base: NamedSharding, ndim: int) -> NamedSharding:
-    """The sharding of one batch array with `ndim` dims: `base` ([B, S], B over `data`), with a
-    leading unsharded micro-batch axis for [k, B/k, S]."""
-    return base if ndim == 2 else NamedSharding(base.mesh, P(None, *base.spec))
+def step_sharding(base: NamedSharding, accumulating: bool) -> NamedSharding:
+    """The sharding of one batch array: `base` ([B, ...], B over `data`), with a leading
+    unsharded micro-batch axis when `accumulating` ([k, B/k, ...])."""
+    return NamedSharding(base.mesh, P(None, *base.spec)) if accumulating else base
 
 
 def host_layout(host_batch: dict[str, np.ndarray], accum_steps: int, workers: int
@@ -64,14 +64,20 @@ def host_layout(host_batch: dict[str, np.ndarray], accum_steps: int, workers: in
     return out
 
 
-def abstract_batch(batch_shardings: dict[str, NamedSharding], shape: Shape, seq_len: int
+def abstract_batch(batch_shardings: dict[str, NamedSharding], shape: Shape, seq_len: int,
+                   media: dict[str, tuple[tuple[int, ...], Any]] | None = None
                    ) -> dict[str, jax.ShapeDtypeStruct]:
-    """A step's input for `shape` as abstract arrays with their shardings (for lowering)."""
-    dims = (shape.batch, seq_len) if shape.accum_steps == 1 else (
-        shape.accum_steps, shape.rows, seq_len)
-    return {k: jax.ShapeDtypeStruct(dims, jnp.float32 if k == "weights" else jnp.int32,
-                                    sharding=step_sharding(s, len(dims)))
-            for k, s in batch_shardings.items()}
+    """A step's input for `shape` as abstract arrays with their shardings (for lowering): [B, S]
+    token arrays, and per `media` key (dsjax.model.loss.media_layout) [B, *dims] of its dtype."""
+    accumulating = shape.accum_steps > 1
+    lead = (shape.accum_steps, shape.rows) if accumulating else (shape.batch,)
+    media = media or {}
+
+    def spec(key, base):
+        dims, dtype = media.get(key, ((seq_len,), jnp.float32 if key == "weights" else jnp.int32))
+        return jax.ShapeDtypeStruct(lead + tuple(dims), dtype,
+                                    sharding=step_sharding(base, accumulating))
+    return {k: spec(k, s) for k, s in batch_shardings.items()}
 
 
 def batch_shape(batch: dict[str, Any], data: int) -> Shape:

@@ -20,7 +20,26 @@ from dsjax.model.chunked_loss import chunked_cross_entropy, output_logits
 # The arrays of one batch, each [B, S] (or [k, B/k, S] with accumulation): tokens in, next
 # tokens out, packed-document ids, positions within a document, and per-target loss weights.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+# A vision-language batch also has, per row, its image slots' raw pixels [M, H, W, C] (uint8)
+# and which slots hold an image [M] (bool); see `media_layout`.
+MEDIA_KEYS = ("pixels", "image_mask")
 AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
+
+
+def media_layout(vision: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{key: (per-row dims, dtype)} of a batch's media arrays for a `VisionConfig`; {} for a text
+    model. Every row has `vision.max_images` slots (static shapes under jit)."""
+    if not vision.enabled:
+        return {}
+    M, H = vision.max_images, vision.image_size
+    return {"pixels": ((M, H, H, 3), jnp.uint8), "image_mask": ((M,), jnp.bool_)}
+
+
+def media_args(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The model's keyword arguments for a batch's media arrays ({} for a text batch)."""
+    if "pixels" not in batch:
+        return {}
+    return {"pixels_BMHWC": batch["pixels"], "image_mask_BM": batch["image_mask"]}
 
 
 def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,
@@ -67,7 +86,7 @@ class ModelLoss:
         """Sum of next-token NLL over weighted positions, and the weight sum (no MTP heads)."""
         x_BSD, head_DV = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
                                           batch["positions"], batch["segment_ids"],
-                                          head_inputs=True)
+                                          head_inputs=True, **media_args(batch))
         return self._head_nll(x_BSD, head_DV, batch)
 
     def loss_and_aux(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
@@ -81,7 +100,7 @@ class ModelLoss:
         (x_BSD, head_DV), sown = self.model.apply(
             _variables(params, fp8_meta), batch["inputs"], batch["positions"],
             batch["segment_ids"], batch["targets"], batch["weights"], head_inputs=True,
-            mutable=[AUX])
+            mutable=[AUX], **media_args(batch))
         total, count = self._head_nll(x_BSD, head_DV, batch)
         aux = {key: values[0] for key, values in sown.get(AUX, {}).items()}  # sow keeps tuples
         return total / jnp.maximum(count, 1.0), count, aux

@@ -17,7 +17,6 @@ from dsjax.config import PipelineConfig
 from dsjax.config.sections import HAND_BACKWARD_SCHEDULES
 from dsjax.errors import ConfigError
 from dsjax.model.decoder import Transformer, mtp_weights
-from dsjax.model.loss import BATCH_KEYS
 from dsjax.pipeline.gpipe import forward_pipeline
 from dsjax.pipeline.one_f_one_b import one_f_one_b_loss
 from dsjax.pipeline.stages import StagedModel, aux_terms
@@ -91,7 +90,8 @@ def make(model: Transformer, cfg: PipelineConfig, stages: int, typed: bool) -> P
 
 
 def _microbatches(batch: dict[str, jax.Array], M: int) -> dict[str, jax.Array]:
-    """[B, S] -> [M, B/M, S]; microbatch m = rows m, M + m, ... (keeps the rows' sharding)."""
+    """[B, ...] -> [M, B/M, ...] for every array of the batch (token arrays and media);
+    microbatch m = rows m, M + m, ... (keeps the rows' sharding)."""
     def split(a):
         return jnp.swapaxes(a.reshape(a.shape[0] // M, M, *a.shape[1:]), 0, 1)
-    return {k: split(batch[k]) for k in BATCH_KEYS}
+    return {k: split(a) for k, a in batch.items()}

@@ -24,7 +24,7 @@ from dsjax.config import Config, trainable_groups
 from dsjax.errors import ConfigError
 from dsjax.model import ModelLoss, Transformer, count_params
 from dsjax.model.build import make_model
-from dsjax.model.loss import BATCH_KEYS
+from dsjax.model.loss import BATCH_KEYS, media_layout
 from dsjax.optim import OneBitAdam, make_optimizer
 from dsjax.optim import loss_scale as ls
 from dsjax.train.onebit_step import onebit_init_and_phases
@@ -108,9 +108,15 @@ class Trainer:
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Process-local numpy batch ([B, S], or [k, B/k, S] for accumulation) -> global arrays
         sharded over `data`."""
+        accumulating = host_batch["inputs"].ndim == 3
         return {k: jax.make_array_from_process_local_data(
-            batching.step_sharding(self.batch_shardings[k], host_batch[k].ndim), host_batch[k])
-                for k in BATCH_KEYS}
+            batching.step_sharding(sharding_k, accumulating), host_batch[k])
+                for k, sharding_k in self.batch_shardings.items()}
+
+    @property
+    def media(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The batch's media arrays (pixels, image_mask) beside the token arrays; {} for text."""
+        return media_layout(self.cfg.vision)
 
     @functools.cached_property
     def _abstract_state(self) -> TrainState:
@@ -126,7 +132,8 @@ class Trainer:
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """One global batch (data.global_batch rows, no accumulation), abstract, for lowering."""
         return batching.abstract_batch(self.batch_shardings, batching.Shape(
-            self.cfg.data.global_batch, 1, self.mesh.shape["data"]), self.cfg.data.seq_len)
+            self.cfg.data.global_batch, 1, self.mesh.shape["data"]), self.cfg.data.seq_len,
+            self.media)
 
 
 def check_fits(trainer: Trainer, shape: batching.Shape, phase: int) -> None:
@@ -199,6 +206,7 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     else:
         init_fn = jax.jit(lambda rng: nn.unbox(init_boxed(rng)), out_shardings=state_shardings)
         phases = (train_step,)
-    batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
+    batch_shardings = {k: sharding.batch_sharding(mesh)
+                       for k in BATCH_KEYS + tuple(media_layout(cfg.vision))}
     return Trainer(cfg, mesh, model, make_model(cfg, for_eval=True), rules, state_shardings,
                    batch_shardings, init_fn, count_params(abstract.params), tx, tuple(phases))
