@@ -8,6 +8,7 @@ under test.
 
 import json
 import os
+import pickle
 
 import av
 import numpy as np
@@ -219,6 +220,10 @@ def test_row_by_hand(tmp_path):
     np.testing.assert_array_equal(ex["positions"], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 0, 1, 2])
     assert set(ex) == {"inputs", "targets", "segment_ids", "positions", "weights", "pixels",
                        "image_mask"}
+    # Grain may ship the source to a worker process: it reopens its shards there.
+    copy = pickle.loads(pickle.dumps(source))
+    for key, value in copy[0].items():
+        np.testing.assert_array_equal(value, row[key])
 
 
 def test_expansion_and_packing_random(tmp_path):

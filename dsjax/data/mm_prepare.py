@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from dsjax.config.sections import DataConfig
 from dsjax.errors import DataError
 from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
 from dsjax.data.media import MediaError, load_image, load_video
@@ -110,7 +111,8 @@ def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
 
 
 def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir: str,
-                       image_size: int, video_fps: float = 1.0, max_frames: int = 8,
+                       image_size: int, video_fps: float = DataConfig.video_fps,
+                       max_frames: int = DataConfig.max_frames,
                        eval_fraction: float = 0.01, seed: int = 0, shard_tokens: int = 2**24,
                        shard_images: int = 1024, overwrite: bool = False) -> dict:
     """Writes `out_dir/train` and `out_dir/eval` in the multimodal format.

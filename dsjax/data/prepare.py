@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from dsjax.config.sections import DataConfig, VisionConfig
 from dsjax.errors import DataError
 from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
 from dsjax.data.mm_prepare import prepare_multimodal
@@ -127,11 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace train/ and eval/ if --out holds them already")
-    parser.add_argument("--image_size", type=int, default=0,
-                        help="multimodal: images and video frames are resized to N x N")
-    parser.add_argument("--video_fps", type=float, default=1.0,
+    parser.add_argument("--image_size", type=int, default=VisionConfig.image_size,
+                        help="multimodal: images and video frames are resized to N x N (the "
+                        "model's vision.image_size)")
+    parser.add_argument("--video_fps", type=float, default=DataConfig.video_fps,
                         help="multimodal: video frames sampled per second of presentation time")
-    parser.add_argument("--max_frames", type=int, default=8, help="multimodal: frames per video")
+    parser.add_argument("--max_frames", type=int, default=DataConfig.max_frames,
+                        help="multimodal: frames kept per video")
     parser.add_argument("--shard_images", type=int, default=1024,
                         help="multimodal: images per shard file")
     args = parser.parse_args(argv)
