@@ -42,6 +42,10 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("expert", "data"),
     ("layers", None),  # with mesh.pipeline > 1: "pipeline" (stages, dsjax/pipeline/)
     ("extra_layers", None),  # stacks every stage holds whole: MoE's dense first blocks, MTP
+    ("vision_embed", None),  # the SigLIP tower and projector (dsjax/model/vision/)
+    ("vision_heads", "tensor"),
+    ("vision_mlp", "tensor"),
+    ("vision_layers", None),
     ("act_batch", "data"),
     ("act_seq", None),
     ("act_embed", None),

@@ -33,6 +33,7 @@ class Rule:
     export_tag: str = ""    # safetensors dtype written whatever --dtype says ("" = --dtype)
     copy: bool = False      # a copy of a leaf another rule also maps (V3's MTP layers repeat the
                             # embedding and head): import checks it equals, export writes it
+    perm: tuple[int, ...] = ()  # instead of `transpose`: an axis permutation (a conv kernel)
 
     @property
     def per_layer(self) -> bool:
@@ -43,9 +44,13 @@ class Rule:
         return "{j}" in self.hf
 
     def to_dsjax(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.perm:
+            return w.transpose(self.perm).reshape(shape)
         return (w.T if self.transpose else w).reshape(shape)
 
     def to_hf(self, x: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+        if self.perm:
+            return x.reshape([hf_shape[a] for a in self.perm]).transpose(np.argsort(self.perm))
         if self.transpose:
             return x.reshape(hf_shape[::-1]).T
         return x.reshape(hf_shape)

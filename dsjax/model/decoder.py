@@ -23,6 +23,8 @@ from dsjax.model.layers import (ROUTED_EXPERTS, Attention, RMSNorm, SwiGLU, _par
                                 prepare_fp8_weights, rms_norm)
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
+from dsjax.model.vision import (SiglipTower, VisionSpec, image_features, insert_image_features,
+                                make_projector)
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
@@ -95,6 +97,9 @@ class Transformer(nn.Module):
     # Per layer: fp8 or not is decided at run time, by the stack's FP8_ON flags (a pipeline
     # chunk whose layer differs between stages); () = every choice is static.
     fp8_switch: tuple[bool, ...] = ()
+    # DeepSeek-VL image input (dsjax.model.vision): params "vision_tower" and "projector";
+    # None = a text-only model.
+    vision: VisionSpec | None = None
 
     def _block(self, use_fp8: bool, moe: bool = False, attention_impl: str = "xla"
                ) -> DecoderBlock:
@@ -201,7 +206,9 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
                  segment_ids_BS: jax.Array | None = None, targets_BS: jax.Array | None = None,
-                 weights_BS: jax.Array | None = None, head_inputs: bool = False) -> Any:
+                 weights_BS: jax.Array | None = None, head_inputs: bool = False,
+                 pixels_BMHWC: jax.Array | None = None, image_mask_BM: jax.Array | None = None
+                 ) -> Any:
         """Logits [B, S, V]; with `head_inputs`, (final-normed x [B, S, D], head [D, V]) instead,
         for a loss that applies the head itself (`loss.head_nll`). With targets and weights
         (training), MTP modules also run; MoE and MTP models sow their auxiliary terms into the
@@ -216,6 +223,8 @@ class Transformer(nn.Module):
         embedding_VD = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size),
                               ("vocab", "embed"), cfg.init_std)
         x_BSD = embed_tokens(embedding_VD, tokens_BS, self.dtype)
+        if self.vision is not None:
+            x_BSD = self._with_images(x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM)
 
         moe_stats = []  # per segment of MoE layers: {"load": [l, E], "balance": [l]}
         for name, lo, hi, moe in self._stacks():
@@ -254,6 +263,20 @@ class Transformer(nn.Module):
         if head_inputs:
             return x_BSD, head_DV
         return output_logits(x_BSD, head_DV, self.dtype)
+
+    def _with_images(self, x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM):
+        """x with the projected image features at the placeholder tokens; x as it is without
+        pixels (the vision params are still created at init, so one layout serves both)."""
+        spec = self.vision
+        tower = SiglipTower(**spec.tower_fields(), dtype=self.dtype, name="vision_tower")
+        projector = make_projector(spec, self.cfg.hidden_size, self.dtype, name="projector")
+        if pixels_BMHWC is None:
+            if self.is_initializing():
+                side, C = spec.image_size, spec.num_channels
+                projector(tower(jnp.zeros((1, side, side, C), self.dtype)))
+            return x_BSD
+        feats_BQD = image_features(lambda x: projector(tower(x)), pixels_BMHWC, image_mask_BM)
+        return insert_image_features(x_BSD, tokens_BS, feats_BQD, spec.image_token_id)
 
     def _mtp(self, h_BSD, embedding_VD, head_DV, tokens_BS, positions_BS, segment_ids_BS,
              targets_BS, weights_BS):

@@ -1,0 +1,12 @@
+"""DeepSeek-VL image input: the SigLIP tower (`siglip`), the projectors (`projector`), the feature
+insertion at placeholder tokens (`features`), and `VisionSpec`, their fields (`spec`)."""
+
+from dsjax.model.vision.features import image_features, insert_image_features, normalise_pixels
+from dsjax.model.vision.projector import (DownsampleMlp, MlpAligner, make_projector,
+                                          pixel_unshuffle)
+from dsjax.model.vision.siglip import SiglipTower
+from dsjax.model.vision.spec import PROJECTORS, VisionSpec
+
+__all__ = ["DownsampleMlp", "MlpAligner", "PROJECTORS", "SiglipTower", "VisionSpec",
+           "image_features", "insert_image_features", "make_projector", "normalise_pixels",
+           "pixel_unshuffle"]
