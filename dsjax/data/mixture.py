@@ -17,12 +17,12 @@ all rows have the same keys and shapes.
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Callable, Mapping
 
 import numpy as np
 
+from dsjax.config.validate import mix_weights
 from dsjax.errors import DataError
 from dsjax.data.mm_pack import MultimodalSource
 from dsjax.data.mm_shards import is_multimodal
@@ -33,18 +33,9 @@ BLOCK = 1000  # samples per block; the mixture's proportions are exact to 1 / BL
 
 
 def parse_mix(spec: str) -> dict[str, float]:
-    """`"name:weight,..."` -> {name: weight / sum}, in the order given."""
-    weights = {}
-    for item in (s.strip() for s in spec.split(",")):
-        match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*:\s*([0-9.eE+-]+)", item)
-        if not match:
-            raise DataError(f"data mix {spec!r}: {item!r} is not name:weight")
-        name, value = match.group(1), float(match.group(2))
-        if name in weights:
-            raise DataError(f"data mix {spec!r}: source {name!r} named twice")
-        if not value > 0:
-            raise DataError(f"data mix {spec!r}: weight of {name!r} must be > 0, got {value}")
-        weights[name] = value
+    """`"name:weight,..."` (`data.mix`, parsed by the config's one rule) -> {name: weight / sum},
+    in the order given."""
+    weights = mix_weights(spec)
     total = sum(weights.values())
     return {name: w / total for name, w in weights.items()}
 
