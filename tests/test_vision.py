@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from transformers import (DeepseekVLConfig, DeepseekVLForConditionalGeneration, SiglipVisionConfig,
-                          SiglipVisionModel)
+from transformers import (DeepseekVLConfig, DeepseekVLForConditionalGeneration,
+                          SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel)
 
 from dsjax import sharding
 from dsjax.convert import model_config_from_hf
 from dsjax.convert.vision_rules import vision_plan, vl_tensor_plan
 from dsjax.model import Transformer
 from dsjax.model.vision import (DownsampleMlp, SiglipTower, VisionSpec, insert_image_features,
-                                normalise_pixels, pixel_unshuffle)
+                                pixel_unshuffle)
 
 IMAGE, PATCH = 16, 4  # a 4 x 4 patch grid: 16 placeholder tokens per image
 VISION_HF = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -114,8 +114,10 @@ def test_vl_model_matches_deepseek_vl_logits():
     params = _transfer(hf.state_dict(), vl_tensor_plan(cfg, SPEC), abstract)
     got = np.asarray(model.apply({"params": params}, jnp.asarray(tokens), pixels_BMHWC=pixels,
                                  image_mask_BM=mask))
-    images = np.stack([pixels[0, 0], pixels[0, 1], pixels[1, 1]])
-    pixel_values = np.asarray(normalise_pixels(images)).transpose(0, 3, 1, 2)
+    images = [pixels[0, 0], pixels[0, 1], pixels[1, 1]]
+    # SigLIP's own preprocessing (rescale 1/255, mean = std = 0.5), sizes already right.
+    pixel_values = SiglipImageProcessorPil()(images=images, do_resize=False,
+                                             return_tensors="np").pixel_values
     with torch.no_grad():
         want = hf(input_ids=torch.from_numpy(tokens),
                   pixel_values=torch.from_numpy(pixel_values)).logits.numpy()
