@@ -55,10 +55,12 @@ def compositions(cfg: Config) -> None:
         raise ConfigError("mesh.data: optim.name='onebit_adam' compresses the data-parallel "
                           "gradient reduction, and mesh.data is 1 (nothing to reduce); use "
                           "optim.name='adamw', or mesh.data >= 2")
-    if o.name == "onebit_adam" and m.n_routed_experts:
-        raise ConfigError("model.n_routed_experts: optim.name='onebit_adam' needs every "
-                          "parameter replicated over `data`, and experts are sharded over it; "
-                          "use optim.name='adamw' for MoE models")
+    if o.name == "onebit_adam" and m.is_moe and not m.expert_parallel:
+        # Expert parallelism's experts are each device's own (exact Adam, docs/onebit.md); the
+        # dense fallback would need every expert on every worker of 1-bit Adam's step.
+        raise ConfigError("model.expert_parallel: optim.name='onebit_adam' trains a MoE model's "
+                          "experts where they live, one slice per `data` device, which needs "
+                          "the all-to-all dispatch; set expert_parallel=True (or use adamw)")
 
     if o.name == "onebit_adam" and trainable_groups(cfg.train.trainable) != TRAINABLE_GROUPS:
         # Its compressed buckets and error buffers span every parameter (docs/multimodal.md).

@@ -37,6 +37,10 @@ from dsjax.model.layers import SwiGLU, _param
 
 Dtype = Any
 BIAS = "router_bias"  # the correction bias leaf of a sigmoid router (not trained by gradients)
+EXPERT = "expert"  # the routed experts' logical axis (dsjax.sharding maps it to a mesh axis)
+EXPERT_MANUAL = "expert_manual"  # a rules entry naming the experts' mesh axis where a caller's
+                                 # shard_map is already manual over it (1-bit Adam's step; there
+                                 # EXPERT maps to None so that parameter constraints stay legal)
 
 
 def moe_fields(cfg) -> tuple[tuple[str, Any], ...]:
@@ -193,10 +197,19 @@ class MoE(nn.Module):
         router_DE = _param(self, "router", (D, E), ("embed", None), std)
         bias_E = (self.param(BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                              (E,), jnp.float32) if self.scoring == "sigmoid" else None)
+        # Already inside a shard_map manual over the experts' mesh axis (1-bit Adam's gradient
+        # block): x and the experts are this device's blocks (also when the stack's shapes are
+        # derived, at apply), so the exchange runs here; a nested shard_map over the same axis
+        # would split the blocks again.
+        mesh = jax.sharding.get_abstract_mesh()
+        manual_axis = nn.logical_to_mesh_axes((EXPERT_MANUAL,))[0]
+        manual = (self.expert_parallel and manual_axis is not None and not mesh.empty
+                  and manual_axis in mesh.manual_axes)
+        e = E // mesh.shape[manual_axis] if manual else E
         # D unnamed: with mesh.fsdp "embed" is on `data` too, which "expert" already uses.
-        w_gate = _param(self, "gate", (E, D, F), ("expert", None, "mlp"), std)
-        w_up = _param(self, "up", (E, D, F), ("expert", None, "mlp"), std)
-        w_down = _param(self, "down", (E, F, D), ("expert", "mlp", None), std)
+        w_gate = _param(self, "gate", (e, D, F), (EXPERT, None, "mlp"), std)
+        w_up = _param(self, "up", (e, D, F), (EXPERT, None, "mlp"), std)
+        w_down = _param(self, "down", (e, F, D), (EXPERT, "mlp", None), std)
 
         logits_BSE = jnp.einsum("BSD,DE->BSE", x_BSD.astype(jnp.float32), router_DE,
                                 precision=lax.Precision.HIGHEST)
@@ -212,13 +225,15 @@ class MoE(nn.Module):
         x = x_BSD.astype(self.dtype)
         # The mesh axis experts are sharded over, from the current logical rules (only
         # dsjax.sharding knows mesh axis names); None outside a mesh: all experts local.
-        expert_axis = nn.logical_to_mesh_axes(("expert",))[0] if self.expert_parallel else None
-        mesh = jax.sharding.get_abstract_mesh()
+        expert_axis = nn.logical_to_mesh_axes((EXPERT,))[0] if self.expert_parallel else None
         if expert_axis is not None and (mesh.empty or B % mesh.shape[expert_axis]
                                         or self.is_initializing()):
             expert_axis = None  # no mesh, a batch (init's dummy) that does not split: all local
         metas = self._expert_metas()
-        if expert_axis is None:
+        if manual:
+            routed_BSD = self._exchange(manual_axis, x, experts_BSK, weights_BSK, w_gate, w_up,
+                                        w_down, metas)
+        elif expert_axis is None:
             routed_BSD = self._dense(x, experts_BSK, weights_BSK, w_gate, w_up, w_down, metas)
         else:
             routed_BSD = self._all_to_all(expert_axis, x, experts_BSK, weights_BSK, w_gate, w_up,
@@ -241,31 +256,38 @@ class MoE(nn.Module):
         y_ECD = checkpoint_name(self._experts(x_ECD, w_gate, w_up, w_down, metas), "moe_routed")
         return combine(y_ECD, experts_TK, slots_TK, weights_BSK.reshape(B * S, K)).reshape(B, S, D)
 
+    def _exchange(self, axis, x_bSD, experts_bSK, weights_bSK, w_gate, w_up, w_down, metas):
+        """Expert parallelism's body, inside a shard_map manual over mesh axis `axis`.
+
+        x [B/W, S, D]: this device's tokens; experts/weights [B/W, S, K]; w_gate/w_up
+        [E/W, D, F], w_down [E/W, F, D]: this device's experts (and their fp8 state, delayed
+        scaling: [E/W, ...]). The gradient of a device's experts arrives through the
+        all-to-alls' transposes: every device's tokens routed to them, summed.
+        """
+        E, K = self.num_experts, self.experts_per_token
+        b, S, D = x_bSD.shape
+        W = lax.axis_size(axis)
+        e = E // W
+        experts_TK = experts_bSK.reshape(b * S, K)
+        slots_TK = dispatch_slots(experts_TK, E)
+        cap = capacity(b * S, K, E, self.capacity_factor)
+        send_ECD = dispatch(x_bSD.reshape(b * S, D), experts_TK, slots_TK, E, cap)
+        # [owner W, e, C, D] -> all-to-all -> [source W, e, C, D]: my experts' slots from all.
+        recv_WeCD = lax.all_to_all(send_ECD.reshape(W, e, cap, D), axis, 0, 0, tiled=True)
+        x_eXD = recv_WeCD.transpose(1, 0, 2, 3).reshape(e, W * cap, D)
+        y_eXD = self._experts(x_eXD, w_gate, w_up, w_down, metas)
+        y_WeCD = y_eXD.reshape(e, W, cap, D).transpose(1, 0, 2, 3)
+        back_ECD = checkpoint_name(  # as in `_dense`; also spares both all-to-alls
+            lax.all_to_all(y_WeCD, axis, 0, 0, tiled=True).reshape(E, cap, D), "moe_routed")
+        return combine(back_ECD, experts_TK, slots_TK,
+                       weights_bSK.reshape(b * S, K)).reshape(b, S, D)
+
     def _all_to_all(self, axis, x_BSD, experts_BSK, weights_BSK, w_gate, w_up, w_down, metas):
         """Expert parallelism over mesh axis `axis`: tokens and experts both split over it."""
-        E, K = self.num_experts, self.experts_per_token
-
-        # Manual over `axis` only (tensor parallelism of the experts' F stays with GSPMD).
-        # x [B, S, D] -> this device's [B/W, S, D]; experts/weights [B/W, S, K];
-        # w_gate/w_up [E/W, D, F], w_down [E/W, F, D]: this device's experts (and their fp8
-        # state, delayed scaling: [E/W, ...]).
-        def local(x_bSD, experts_bSK, weights_bSK, w_gate, w_up, w_down, metas):
-            b, S, D = x_bSD.shape
-            W = lax.axis_size(axis)
-            e = E // W
-            experts_TK = experts_bSK.reshape(b * S, K)
-            slots_TK = dispatch_slots(experts_TK, E)
-            cap = capacity(b * S, K, E, self.capacity_factor)
-            send_ECD = dispatch(x_bSD.reshape(b * S, D), experts_TK, slots_TK, E, cap)
-            # [owner W, e, C, D] -> all-to-all -> [source W, e, C, D]: my experts' slots from all.
-            recv_WeCD = lax.all_to_all(send_ECD.reshape(W, e, cap, D), axis, 0, 0, tiled=True)
-            x_eXD = recv_WeCD.transpose(1, 0, 2, 3).reshape(e, W * cap, D)
-            y_eXD = self._experts(x_eXD, w_gate, w_up, w_down, metas)
-            y_WeCD = y_eXD.reshape(e, W, cap, D).transpose(1, 0, 2, 3)
-            back_ECD = checkpoint_name(  # as in `_dense`; also spares both all-to-alls
-                lax.all_to_all(y_WeCD, axis, 0, 0, tiled=True).reshape(E, cap, D), "moe_routed")
-            return combine(back_ECD, experts_TK, slots_TK,
-                           weights_bSK.reshape(b * S, K)).reshape(b, S, D)
+        # Manual over `axis` only (tensor parallelism of the experts' F stays with GSPMD); the
+        # blocks as `_exchange` says.
+        def local(*args):
+            return self._exchange(axis, *args)
 
         # The model's activation constraints name the batch's mesh axis; inside a shard_map
         # manual over it they may only name the others.

@@ -6,7 +6,10 @@ gradient into the momentum, and the momenta are averaged with the 1-bit all-redu
 `dsjax.optim.compressed_allreduce`. Which update a step takes (exact or compressed) is one rule,
 `OneBitAdam.uses_compression`, that every caller asks. Shapes inside the shard_map are local:
 W = size of `axis_name`, L = size of `fast_axis` (1 without one), n_b = bucket b's padded length.
-State layout, the train step and where this departs from DeepSpeed: docs/onebit.md.
+Leaves split over the data axes (a MoE model's routed experts under expert parallelism) are
+*owned*: each device holds its own slice, whose gradient arrives complete, so they take exact
+Adam in every step and never enter a bucket. State layout, the train step, MoE and where this
+departs from DeepSpeed: docs/onebit.md.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class OneBitAdamState(NamedTuple):
     count: jax.Array                             # int32 [] steps taken
     mu: Any                                      # float32, like params; same on every worker
     nu: Any                                      # float32, like params; frozen after freeze_step
+                                                 # (owned leaves: never frozen)
     worker_error: dict[str, tuple[jax.Array, ...]]  # group -> per bucket, local [1, n_b / L]
     server_error: dict[str, tuple[jax.Array, ...]]  # group -> per bucket, local [1, n_b / (L*W)]
 
@@ -51,8 +55,10 @@ class OneBitAdam:
     `init`, `warmup_update` and `compressed_update` run inside `jax.shard_map` (check_vma on, the
     default) that is manual over `axis_name` (and `fast_axis`) and possibly other axes. Params
     come in replicated over the data axes; gradients are the worker's own (not reduced; each
-    worker's mean over its share of the batch), typed varying over the data axes. The updates
-    return optax-style `(updates, new_state)`: `optax.apply_updates(params, updates)`.
+    worker's mean over its share of the batch), typed varying over the data axes. Owned leaves
+    (params split over the data axes; `state_specs(..., owned=True)` admits them) come in as
+    this device's slice with their complete gradient, and take exact Adam in both phases. The
+    updates return optax-style `(updates, new_state)`: `optax.apply_updates(params, updates)`.
     """
     learning_rate: ScalarOrSchedule
     b1: float
@@ -110,24 +116,24 @@ class OneBitAdam:
         return (jnp.minimum(count, self.freeze_step)
                 + per_refresh * (after // self.refresh_every))
 
+    def owned(self, params: Any) -> Any:
+        """Inside the shard_map: per leaf of `params` (a bool pytree), is it split over the data
+        axes, i.e. owned (exact Adam, no bucket)? `state_specs` vetted the layout."""
+        return jax.tree.map(lambda p: bool(varying_axes(p) & set(self.data_axes)), params)
+
     def plan(self, params: Any) -> BucketPlan:
-        """The bucket plan for this device's `params`; call inside the shard_map.
+        """The bucket plan for this device's `params` less the owned leaves (a list of the
+        compressed leaves, in tree order); call inside the shard_map.
 
         Leaves split over other manual axes (e.g. "tensor") are bucketed apart from replicated
         ones: a bucket's scale must be the same on every device that holds the same values.
         """
-        groups = []
-        for path, p in jax.tree_util.tree_leaves_with_path(params):
-            axes = varying_axes(p)
-            if axes & set(self.data_axes):
-                raise ValueError(
-                    f"onebit_adam: parameter {jax.tree_util.keystr(path)} differs across "
-                    f"{sorted(axes & set(self.data_axes))}; 1-bit Adam needs params replicated "
-                    f"over the data axes (turn mesh.fsdp off)")
-            groups.append(group_name(axes))
+        shared = [p for p, o in zip(jax.tree.leaves(params), jax.tree.leaves(self.owned(params)))
+                  if not o]
+        groups = [group_name(varying_axes(p)) for p in shared]
         w = lax.axis_size(self.axis_name)
         fast = 1 if self.fast_axis is None else lax.axis_size(self.fast_axis)
-        return plan_buckets(params, self.bucket_bytes, fast * pad_multiple(w), groups)
+        return plan_buckets(shared, self.bucket_bytes, fast * pad_multiple(w), groups)
 
     def init(self, params: Any) -> OneBitAdamState:
         plan = self.plan(params)
@@ -141,18 +147,21 @@ class OneBitAdam:
             server_error=plan.by_group([jnp.zeros((1, n // (fast * w)), jnp.float32)
                                         for n in plan.padded]))
 
-    def state_specs(self, param_specs: Any) -> OneBitAdamState:
+    def state_specs(self, param_specs: Any, owned: bool = False) -> OneBitAdamState:
         """shard_map in/out specs of the state, given the params' specs (a pytree of P).
 
         The errors of a group of leaves split over mesh axes A are P(data axes, A): global
         [W*L, |A| * n_b / L], one row block per data-parallel worker, one column block per
-        shard of A.
+        shard of A. `owned`: leaves split over the data axes are owned (expert parallelism's
+        experts: exact Adam, moments split like them, no errors); False: they are an error.
         """
         specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
         groups = {}
         for spec in specs:
             axes = _spec_axes(spec)
             if axes & set(self.data_axes):
+                if owned:
+                    continue
                 raise ValueError(f"onebit_adam: a parameter spec {spec} splits over the data "
                                  f"axes; 1-bit Adam needs params replicated there (no fsdp)")
             groups[group_name(axes)] = P(self.data_axes, tuple(sorted(axes, key=str)) or None)
@@ -160,6 +169,7 @@ class OneBitAdam:
                                worker_error=groups, server_error=groups)
 
     def _check_local(self, local_grads: Any) -> None:
+        # Owned leaves vary over the data axes too (they are split over them).
         for path, g in jax.tree_util.tree_leaves_with_path(local_grads):
             if not set(self.data_axes) <= varying_axes(g):
                 raise ValueError(
@@ -172,19 +182,22 @@ class OneBitAdam:
         lr = self.learning_rate
         return lr(count) if callable(lr) else lr
 
-    def _updates(self, mu: Any, nu: Any, params: Any, count_inc: jax.Array,
-                 nu_count: jax.Array, lr: jax.Array) -> Any:
-        """-lr * (m / (sqrt(v) + eps) + wd * p), term for term as optax.adamw computes it."""
+    def _updates(self, mu: Any, nu: Any, params: Any, count_inc: jax.Array, lr: jax.Array
+                 ) -> Any:
+        """-lr * (m / (sqrt(v) + eps) + wd * p), term for term as optax.adamw computes it.
+        Owned leaves are exact Adam: v counts every step, no bound."""
+        owned = self.owned(params)
         if self.bias_correction:
             c1 = (1 - self.b1 ** count_inc).astype(jnp.float32)
-            c2 = (1 - self.b2 ** nu_count).astype(jnp.float32)
+            c2 = (1 - self.b2 ** self.nu_updates(count_inc)).astype(jnp.float32)
+            c2_owned = (1 - self.b2 ** count_inc).astype(jnp.float32)
             mu = jax.tree.map(lambda m: m / c1, mu)
-            nu = jax.tree.map(lambda v: v / c2, nu)
+            nu = jax.tree.map(lambda v, o: v / (c2_owned if o else c2), nu, owned)
         upd = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + self.eps), mu, nu)
         if self.update_bound:  # after the freeze only: the warmup stays exactly Adam
             bound = self.adam_bound()
-            upd = jax.tree.map(lambda u: jnp.where(count_inc > self.freeze_step,
-                                                   jnp.clip(u, -bound, bound), u), upd)
+            upd = jax.tree.map(lambda u, o: u if o else jnp.where(
+                count_inc > self.freeze_step, jnp.clip(u, -bound, bound), u), upd, owned)
         if self.weight_decay:
             mask = self.weight_decay_mask
             mask = mask(params) if callable(mask) else mask
@@ -193,11 +206,12 @@ class OneBitAdam:
                                upd, params, mask)
         return jax.tree.map(lambda u: -lr * u, upd)
 
-    def mean_gradient(self, local_grads: Any) -> Any:
-        """The exact float32 mean of the workers' gradients (one float all-reduce per leaf)."""
+    def mean_gradient(self, local_grads: Any, params: Any) -> Any:
+        """The exact float32 mean of the workers' gradients (one float all-reduce per leaf);
+        owned leaves' gradients are complete already."""
         self._check_local(local_grads)
-        return lax.pmean(jax.tree.map(lambda g: g.astype(jnp.float32), local_grads),
-                         self.data_axes)
+        return jax.tree.map(lambda g, o: g.astype(jnp.float32) if o else lax.pmean(
+            g.astype(jnp.float32), self.data_axes), local_grads, self.owned(params))
 
     def exact_update(self, grads: Any, state: OneBitAdamState, params: Any
                      ) -> tuple[Any, OneBitAdamState]:
@@ -207,40 +221,47 @@ class OneBitAdam:
         if self.refresh_catchup and self.refresh_every:
             # A refresh step stands for the refresh_every steps since the last one: v decays
             # as Adam's would over them, and the fresh g^2 gets their combined weight. (Both
-            # weights in double precision: 1 - b2^N in float32 would lose digits.)
+            # weights in double precision: 1 - b2^N in float32 would lose digits.) Owned
+            # leaves' v took every step: plain Adam.
             after = state.count >= self.freeze_step
             keep = jnp.where(after, self.b2 ** self.refresh_every, keep)
             fresh = jnp.where(after, 1 - self.b2 ** self.refresh_every, fresh)
-        nu = jax.tree.map(lambda g, v: fresh * (g ** 2) + keep * v, grads, state.nu)
+        nu = jax.tree.map(lambda g, v, o: (1 - self.b2) * (g ** 2) + self.b2 * v if o else
+                          fresh * (g ** 2) + keep * v, grads, state.nu, self.owned(params))
         count_inc = state.count + 1
-        updates = self._updates(mu, nu, params, count_inc, self.nu_updates(count_inc),
-                                self._lr(state.count))
+        updates = self._updates(mu, nu, params, count_inc, self._lr(state.count))
         return updates, state._replace(count=count_inc, mu=mu, nu=nu)
 
     def warmup_update(self, local_grads: Any, state: OneBitAdamState, params: Any
                       ) -> tuple[Any, OneBitAdamState]:
         """Exact Adam on the exact mean gradient (one float all-reduce per leaf)."""
-        return self.exact_update(self.mean_gradient(local_grads), state, params)
+        return self.exact_update(self.mean_gradient(local_grads, params), state, params)
 
     def compressed_update(self, local_grads: Any, state: OneBitAdamState, params: Any
                           ) -> tuple[Any, OneBitAdamState]:
-        """Frozen v; each worker's momentum goes through the 1-bit all-reduce (paper Alg. 1)."""
+        """Frozen v; each worker's momentum goes through the 1-bit all-reduce (paper Alg. 1).
+        Owned leaves: exact Adam on their complete gradient."""
         self._check_local(local_grads)
         plan = self.plan(params)
+        owned = self.owned(params)
+        exact_mu = jax.tree.map(lambda g, m: (1 - self.b1) * g.astype(jnp.float32) + self.b1 * m,
+                                local_grads, state.mu)
+        nu = jax.tree.map(lambda g, v, o: (1 - self.b2) * (g.astype(jnp.float32) ** 2)
+                          + self.b2 * v if o else v, local_grads, state.nu, owned)
+        pick = lambda tree: [x for x, o in zip(jax.tree.leaves(tree), jax.tree.leaves(owned))
+                             if not o]
         # m_i = b1 m + (1 - b1) g_i on each worker; the compressed mean of the m_i becomes m
         # (paper §4, Algorithm 1). Linear in g: the mean of the m_i is the momentum of the mean
         # gradient, so compressing momenta loses nothing in expectation.
-        local_mu = jax.tree.map(lambda g, m: (1 - self.b1) * g.astype(jnp.float32) + self.b1 * m,
-                                local_grads, state.mu)
+        local_mu, frozen = pick(exact_mu), pick(state.nu)
         if self.compress == "update":
             # m_i / (sqrt(v) + eps): the same frozen map on every worker, undone below. v == 0
             # coordinates send 0 (they get no update; m_i / eps would swamp the bucket's scale).
-            denom = jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, state.nu)
-            local_mu = jax.tree.map(lambda m, v, d: jnp.where(v > 0, m / d, 0.0),
-                                    local_mu, state.nu, denom)
+            denom = [jnp.sqrt(v) + self.eps for v in frozen]
+            local_mu = [jnp.where(v > 0, m / d, 0.0) for m, v, d in zip(local_mu, frozen, denom)]
             if self.update_bound:  # a coordinate whose v is stale cannot swamp the scale
                 bound = self.adam_bound()
-                local_mu = jax.tree.map(lambda u: jnp.clip(u, -bound, bound), local_mu)
+                local_mu = [jnp.clip(u, -bound, bound) for u in local_mu]
         means, worker_errors, server_errors = [], [], []
         # Dicts flatten in sorted-key order, which is the plan's bucket order.
         for buf, we, se in zip(plan.flatten(local_mu), jax.tree.leaves(state.worker_error),
@@ -251,15 +272,16 @@ class OneBitAdam:
             means.append(mean)
             worker_errors.append(we[None])
             server_errors.append(se[None])
-        mu = plan.unflatten(means)
+        shared = plan.unflatten(means)
         if self.compress == "update":
-            mu = jax.tree.map(lambda u, d: u * d, mu, denom)
+            shared = [u * d for u, d in zip(shared, denom)]
+        shared = iter(shared)
+        mu = jax.tree.map(lambda m, o: m if o else next(shared), exact_mu, owned)
         count_inc = state.count + 1
         # v == 0: never had a gradient, true momentum 0 (docs/onebit.md); weight decay stays.
-        seen = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
-        updates = self._updates(seen, state.nu, params, count_inc, self.nu_updates(count_inc),
-                                self._lr(state.count))
-        return updates, state._replace(count=count_inc, mu=mu,
+        seen = jax.tree.map(lambda m, v, o: m if o else jnp.where(v > 0, m, 0.0), mu, nu, owned)
+        updates = self._updates(seen, nu, params, count_inc, self._lr(state.count))
+        return updates, state._replace(count=count_inc, mu=mu, nu=nu,
                                        worker_error=plan.by_group(worker_errors),
                                        server_error=plan.by_group(server_errors))
 
