@@ -18,8 +18,8 @@ from dsjax import checkpoint as ckpt
 from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
-from dsjax.data import eval_batches, load_tokenizer
-from dsjax.data.splits import Splits, data_splits
+from dsjax.data import eval_batches, load_tokenizer, mixed_eval_batches
+from dsjax.data.splits import Splits, data_splits, media_reading
 from dsjax.model.loss import ModelLoss
 from dsjax.train.trainer import build_trainer
 
@@ -32,20 +32,40 @@ def _eval_step(model, params, batch):
     return nll, count, jnp.sum(byte_weights)
 
 
-def evaluate_params(trainer, params: Any, eval_dir: str, cfg: Config) -> dict[str, float]:
-    """Held-out loss (nats/token), perplexity and bits per byte over `data.eval_batches` batches."""
-    batches = eval_batches(eval_dir, cfg.data.seq_len, cfg.data.global_batch, cfg.data.eval_batches)
+def held_out(cfg: Config, splits: Splits, vision: Any) -> dict[str, list[dict]]:
+    """{source: its held-out batches}: one source, or (data.mix, a vision model) each source of
+    the mixture, with its media, so the loss is reported per source (per modality)."""
+    d = cfg.data
+    if not splits.mixed and vision is None:
+        return {"data": eval_batches(splits.eval, d.seq_len, d.global_batch, d.eval_batches)}
+    paths = {name: held for name, _, held in splits.sources} or {"data": splits.eval}
+    return mixed_eval_batches(paths, d.seq_len, d.global_batch, d.eval_batches,
+                              **media_reading(cfg, vision))
+
+
+def evaluate_params(trainer, params: Any, splits: Splits, cfg: Config) -> dict[str, Any]:
+    """Held-out loss (nats/token), perplexity and bits per byte over `data.eval_batches` batches
+    (of each source: a mixture also reports `eval_loss_by_modality`, the loss per source, and the
+    overall figures over all its sources' batches)."""
     step = jax.jit(_eval_step, static_argnums=0)
-    nll = count = nbytes = 0.0
+    sums = {}
     with sharding.activate(trainer.mesh, trainer.rules):
-        for b in batches:
-            out = step(trainer.eval_model, params, trainer.device_batch(_local(b)))
-            n, c, nb = (float(x) for x in jax.device_get(out))
-            nll, count, nbytes = nll + n, count + c, nbytes + nb
+        for name, batches in held_out(cfg, splits, trainer.model.vision).items():
+            nll = count = nbytes = 0.0
+            for b in batches:
+                out = step(trainer.eval_model, params, trainer.device_batch(_local(b)))
+                n, c, nb = (float(x) for x in jax.device_get(out))
+                nll, count, nbytes = nll + n, count + c, nbytes + nb
+            sums[name] = (nll, count, nbytes)
+    nll, count, nbytes = (sum(v[i] for v in sums.values()) for i in range(3))
     loss = nll / max(count, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
-            "eval_bits_per_byte": nll / math.log(2) / nbytes if nbytes else float("nan"),
-            "eval_tokens": count}
+    results = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
+               "eval_bits_per_byte": nll / math.log(2) / nbytes if nbytes else float("nan"),
+               "eval_tokens": count}
+    if splits.mixed:
+        results["eval_loss_by_modality"] = {name: n / max(c, 1.0)
+                                            for name, (n, c, _) in sums.items()}
+    return results
 
 
 def _local(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -89,7 +109,7 @@ def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> li
 def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workdir: str
                         ) -> dict[str, Any]:
     """Evaluates, samples, prints both, and merges the results into summary.json."""
-    results: dict[str, Any] = evaluate_params(trainer, params, splits.eval, cfg)
+    results: dict[str, Any] = evaluate_params(trainer, params, splits, cfg)
     if splits.tokenizer != "byte":
         results["eval_bits_per_byte"] = None  # only defined for the byte tokenizer
     tokenizer = load_tokenizer(splits.tokenizer)

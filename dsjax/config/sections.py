@@ -281,18 +281,15 @@ class VisionConfig:
     projector: str = "mlp"  # mlp (DeepSeek-VL: Linear, GELU, Linear) | downsample_mlp
                             # (DeepSeek-VL2: 2x2 pixel-unshuffle, then the MLP; 4x fewer tokens)
     max_images: int = 4  # image slots per row: images and video frames a row may hold
-    image_token_id: int = -1  # the placeholder id; -1 = the first id after the text vocabulary
-    frame_token_id: int = -1  # the separator between video frames; -1 = image_token_id + 1
+    # The placeholder and frame-separator ids: `python -m dsjax.data.prepare` gives them the
+    # first ids after the text tokenizer's (byte: 257, 258) and records them in the split; a
+    # split whose ids differ from these is refused.
+    image_token_id: int = 257  # the placeholder each image feature row replaces
+    frame_token_id: int = 258  # the separator between video frames
 
     @property
     def enabled(self) -> bool:
         return self.tower != "none"
-
-    @property
-    def tokens_per_image(self) -> int:
-        """Decoder positions one image (or video frame) takes."""
-        side = self.image_size // self.patch_size
-        return side * side // (4 if self.projector == "downsample_mlp" else 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -197,10 +197,12 @@ def validate_vision(cfg: Config) -> None:
                           f"vision.num_heads {v.num_heads}")
     for key in ("image_token_id", "frame_token_id"):
         value = getattr(v, key)
-        if value < -1 or value >= cfg.model.vocab_size:
+        if v.enabled and not 0 <= value < cfg.model.vocab_size:
             raise ConfigError(f"vision.{key}: {value} is outside the vocabulary [0, "
-                              f"model.vocab_size={cfg.model.vocab_size}) (-1: the first ids "
-                              f"after the text tokenizer's)")
+                              f"model.vocab_size={cfg.model.vocab_size})")
+    if v.enabled and v.image_token_id == v.frame_token_id:
+        raise ConfigError(f"vision.frame_token_id: equals vision.image_token_id "
+                          f"{v.image_token_id}; they must differ")
     groups = trainable_groups(cfg.train.trainable)
     if not v.enabled and cfg.train.trainable.strip() != "all" and set(groups) - {"lm"}:
         raise ConfigError(f"train.trainable: {cfg.train.trainable!r} names vision parameter "

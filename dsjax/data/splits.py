@@ -6,19 +6,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 import jax
 
-from dsjax.config import Config
+from dsjax.config import Config, mix_weights
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
 from dsjax.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    train: str
+    train: str  # "" for a mixture: its sources' splits are in `sources`
     eval: str
     tokenizer: str
+    sources: tuple[tuple[str, str, str], ...] = ()  # data.mix: (name, train dir, eval dir)
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.sources)
+
+
+def _check_prepared(path: str, arg: str) -> dict:
+    """meta.json of both prepared splits under `path`; DataError naming what is missing."""
+    for split in ("train", "eval"):
+        if not os.path.isfile(os.path.join(path, split, "meta.json")):
+            raise DataError(f"data.path: {os.path.join(path, split)} is not a prepared split "
+                            f"(no meta.json); run `python -m dsjax.data.prepare --out {arg} ...`")
+    with open(os.path.join(path, "train", "meta.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _check_vocab(cfg: Config, meta: dict, where: str) -> None:
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
+                        f"tokenizer vocabulary {meta['vocab_size']} ({where}/meta.json)")
+    v = cfg.vision
+    for key in ("image_token_id", "frame_token_id"):
+        if key in meta and v.enabled and int(meta[key]) != getattr(v, key):
+            raise DataError(f"vision.{key}: {getattr(v, key)}, but {where} was prepared with "
+                            f"{key} {meta[key]} ({where}/meta.json); set vision.{key}="
+                            f"{meta[key]}")
+    if "image_token_id" in meta and not v.enabled:
+        raise DataError(f"vision.tower: {where} holds images and the model has no vision tower; "
+                        f"set vision.tower='siglip'")
 
 
 def data_splits(cfg: Config, workdir: str) -> Splits:
@@ -35,14 +66,25 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
             multihost_utils.sync_global_devices("dsjax stdlib corpus")
         train, held_out = build_stdlib_corpus(cache)
         return Splits(train, held_out, "byte")
+    if cfg.data.mix:
+        sources, tokenizer = [], None
+        for name in mix_weights(cfg.data.mix):
+            path = os.path.join(cfg.data.path, name)
+            meta = _check_prepared(path, path)
+            _check_vocab(cfg, meta, os.path.join(path, "train"))
+            tokenizer = meta["tokenizer"]
+            sources.append((name, os.path.join(path, "train"), os.path.join(path, "eval")))
+        return Splits("", "", tokenizer, tuple(sources))
+    meta = _check_prepared(cfg.data.path, cfg.data.path)
     train, held_out = os.path.join(cfg.data.path, "train"), os.path.join(cfg.data.path, "eval")
-    for split in (train, held_out):
-        if not os.path.isfile(os.path.join(split, "meta.json")):
-            raise DataError(f"data.path: {split} is not a prepared split (no meta.json); run "
-                            f"`python -m dsjax.data.prepare --out {cfg.data.path} ...`")
-    with open(os.path.join(train, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise DataError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's "
-                        f"tokenizer vocabulary {meta['vocab_size']} ({train}/meta.json)")
+    _check_vocab(cfg, meta, train)
     return Splits(train, held_out, meta["tokenizer"])
+
+
+def media_reading(cfg: Config, vision: Any) -> dict[str, int]:
+    """How multimodal splits are read for the model: image tokens per image (the model's
+    `VisionSpec`), image slots per row, image side; {} for a text model."""
+    if vision is None:
+        return {}
+    return {"tokens_per_image": vision.tokens_per_image, "max_images": cfg.vision.max_images,
+            "image_size": cfg.vision.image_size}

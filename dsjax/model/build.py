@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from dsjax import fp8, remat
 from dsjax.config import Config
 from dsjax.model.decoder import Transformer
+from dsjax.model.vision import VisionSpec
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -23,7 +24,7 @@ def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unrol
     policy = fp8_policy(cfg, for_eval)
     dtype = cfg.train.compute_dtype if policy is None else cfg.fp8.other_dtype
     model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[dtype], layer_policies=layer_policies,
-                        scan_unroll=unroll, fp8_policy=policy)
+                        scan_unroll=unroll, fp8_policy=policy, vision=vision_spec(cfg))
     model.attention_impl(cfg.data.seq_len)  # an impl this backend cannot run: ConfigError here
     return model
 
@@ -40,3 +41,16 @@ def fp8_policy(cfg: Config, for_eval: bool = False) -> fp8.Fp8Policy | None:
         history=f.history_len,
         layers=tuple(f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L)),
         margin=f.margin)
+
+
+def vision_spec(cfg: Config) -> VisionSpec | None:
+    """The image input `cfg.vision` describes (a SigLIP tower and projector); None for a text
+    model."""
+    v = cfg.vision
+    if not v.enabled:
+        return None
+    return VisionSpec(image_size=v.image_size, patch_size=v.patch_size,
+                      hidden_size=v.hidden_size, num_layers=v.num_layers,
+                      num_heads=v.num_heads, mlp_dim=v.mlp_dim,
+                      image_token_id=v.image_token_id, frame_token_id=v.frame_token_id,
+                      projector=v.projector, norm_eps=v.norm_eps, init_std=cfg.model.init_std)

@@ -3,8 +3,8 @@ projector and the language model, and a mask of those that learn.
 
 The one idea: a group is decided by a parameter's top-level name alone, here, once. The train step
 stops the gradient of a frozen group (its backward is never run) and the optimizer gives it a
-zero update with no optimizer state, so a frozen parameter and everything about it stay bit for
-bit as they were (docs/multimodal.md).
+zero update, so a frozen parameter and its optimizer moments stay bit for bit as they were
+(docs/multimodal.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from dsjax.config.sections import TRAINABLE_GROUPS
@@ -52,9 +53,16 @@ def stop_frozen(params: Any, groups: tuple[str, ...]) -> Any:
 
 def only_trainable(tx: optax.GradientTransformation, groups: tuple[str, ...]
                    ) -> optax.GradientTransformation:
-    """`tx` on the trainable groups; the frozen ones get zero updates and keep no state."""
+    """`tx`, with zero updates for the frozen groups. Their gradients are zero (`stop_frozen`),
+    so Adam's moments of a frozen parameter stay at their initial zeros and clipping sees the
+    trainable gradients alone; the final mask removes what does not come from the gradient
+    (weight decay). The state keeps one layout for every choice of groups (optax's
+    multi_transform would drop the frozen moments, at the price of a state whose layout depends
+    on train.trainable)."""
     if not freezes(groups):
         return tx
-    labels = lambda params: jax.tree.map(lambda t: "train" if t else "frozen",
-                                         trainable_mask(params, groups))
-    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+    def zero_frozen(updates, params):
+        return jax.tree.map(lambda u, train: u if train else jnp.zeros_like(u), updates,
+                            trainable_mask(updates, groups))
+    return optax.chain(tx, optax.stateless(zero_frozen))

@@ -22,8 +22,8 @@ from dsjax import metrics as mx
 from dsjax.batching import Batcher
 from dsjax.config import Config
 from dsjax.config import warnings as config_warnings
-from dsjax.data import SampleStream
-from dsjax.data.splits import data_splits
+from dsjax.data import SampleStream, mixed_stream
+from dsjax.data.splits import Splits, data_splits, media_reading
 from dsjax.errors import TrainingError
 from dsjax.pipeline import bubble_fraction
 from dsjax.runtime import xla_flags
@@ -60,6 +60,20 @@ def check_workdir(workdir: str) -> None:
                             ) from None
 
 
+def _train_stream(cfg: Config, splits: Splits, vision: Any, prefetch_rows: int) -> SampleStream:
+    """The training rows: one token split, or (data.mix, or a vision model) the weighted mixture
+    of its sources, multimodal ones packed with their images (dsjax.data.mixture)."""
+    if not splits.mixed and vision is None:
+        return SampleStream(splits.train, cfg.data.seq_len, cfg.train.seed, jax.process_index(),
+                            jax.process_count(), prefetch=cfg.data.prefetch,
+                            prefetch_rows=prefetch_rows, legacy_batch=cfg.data.global_batch)
+    paths = {name: train for name, train, _ in splits.sources} or {"data": splits.train}
+    return mixed_stream(paths, cfg.data.mix or "data:1", cfg.data.seq_len, cfg.train.seed,
+                        **media_reading(cfg, vision), process_index=jax.process_index(),
+                        process_count=jax.process_count(), prefetch=cfg.data.prefetch,
+                        prefetch_rows=prefetch_rows)
+
+
 def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_s: float = 0.0
         ) -> dict[str, Any]:
     """Trains `cfg` in `workdir` (resuming from its latest intact checkpoint), evaluates, writes
@@ -84,10 +98,8 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     splits = data_splits(cfg, workdir)
     # The stream is read by a global sample cursor, the batch shape chosen per step.
     largest = max(cfg.batch.sizes(cfg.data.global_batch))
-    stream = SampleStream(splits.train, cfg.data.seq_len, cfg.train.seed, jax.process_index(),
-                          jax.process_count(), prefetch=cfg.data.prefetch,
-                          prefetch_rows=max(cfg.data.prefetch, 1) * largest // jax.process_count(),
-                          legacy_batch=cfg.data.global_batch)
+    stream = _train_stream(cfg, splits, trainer.model.vision,
+                           max(cfg.data.prefetch, 1) * largest // jax.process_count())
     batcher = Batcher(trainer, stream, log=mx.log)
 
     checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
@@ -220,7 +232,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
                 save(done)
                 saved = done
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                ev = evaluate.evaluate_params(trainer, state.params, splits.eval, cfg)
+                ev = evaluate.evaluate_params(trainer, state.params, splits, cfg)
                 writer.write_eval(done, ev)
                 mx.log(f"eval at step {done}: loss {ev['eval_loss']:.4f}")
         if pending is not None:
