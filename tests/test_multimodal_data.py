@@ -338,6 +338,22 @@ def test_bad_media_record_is_named_and_skipped(corpus, tmp_path, capsys):
     assert not (tmp_path / "out2" / "train" / "meta.json").exists()
 
 
+def test_eval_input_files_make_the_held_out_split(corpus, tmp_path, capsys):
+    root, records, _ = corpus
+    (root / "held.jsonl").write_text("\n".join(json.dumps(r) for r in records[1:3]))
+    rc = prepare_main(["--format", "multimodal", "--input", str(root / "d.jsonl"),
+                       "--eval_input", str(root / "held.jsonl"), "--image_size", "8",
+                       "--out", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    metas = {s: json.load(open(tmp_path / "out" / s / "meta.json")) for s in ("train", "eval")}
+    assert metas["train"]["num_docs"] == len(records)  # every --input record, none moved
+    assert metas["eval"]["num_docs"] == 2
+    assert metas["eval"]["num_images"] == 3  # records[1] has two images, records[2] one
+    rc = prepare_main(["--format", "jsonl", "--input", str(root / "d.jsonl"),
+                       "--eval_input", str(root / "held.jsonl"), "--out", str(tmp_path / "t")])
+    assert rc == 2 and "--eval_input is for --format multimodal" in capsys.readouterr().err
+
+
 def test_read_time_checks(tmp_path):
     rng = np.random.default_rng(5)
     split = write_split(tmp_path / "s", [([IMG, 1, IMG], random_images(rng, 2)), ([3], [])])

@@ -114,8 +114,11 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
                        image_size: int, video_fps: float = DataConfig.video_fps,
                        max_frames: int = DataConfig.max_frames,
                        eval_fraction: float = 0.01, seed: int = 0, shard_tokens: int = 2**24,
-                       shard_images: int = 1024, overwrite: bool = False) -> dict:
-    """Writes `out_dir/train` and `out_dir/eval` in the multimodal format.
+                       shard_images: int = 1024, overwrite: bool = False,
+                       eval_inputs: Sequence[str] | str = ()) -> dict:
+    """Writes `out_dir/train` and `out_dir/eval` in the multimodal format. With `eval_inputs`,
+    `inputs` all go to train and `eval_inputs` all to eval (a held-out set chosen by the data's
+    author, e.g. by digit sample); without, each record goes by a seeded hash of its content.
 
     Returns {"train": meta, "eval": meta, "train_dir", "eval_dir", "skipped": ["file:line:
     reason", ...]} (records skipped for an undecodable image or video).
@@ -130,17 +133,28 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
     check_out_dir(out_dir, overwrite)
     if isinstance(inputs, str):
         inputs = [inputs]
+    if isinstance(eval_inputs, str):
+        eval_inputs = [eval_inputs]
     files = expand_inputs(inputs)
+    held_files = expand_inputs(eval_inputs) if eval_inputs else []
     tokenizer = load_tokenizer(tokenizer_spec)
 
     # Pass 1: every record's structure, and its split, before touching out_dir.
     scores = np.array([eval_score(r.content(), seed) for r in iter_records(files)])
-    if scores.size < 2:
-        raise DataError(f"{files[0]}: {scores.size} records; train and eval need at least one "
-                        "each")
-    to_eval = scores < eval_fraction
-    to_eval[np.argmin(scores)] = True
-    to_eval[np.argmax(scores)] = False
+    if held_files:
+        held = sum(1 for _ in iter_records(held_files))
+        if not scores.size or not held:
+            raise DataError(f"{(files + held_files)[0]}: train and eval need at least one "
+                            f"record each, got {scores.size} and {held}")
+        to_eval = np.concatenate([np.zeros(scores.size, bool), np.ones(held, bool)])
+        files = files + held_files
+    else:
+        if scores.size < 2:
+            raise DataError(f"{files[0]}: {scores.size} records; train and eval need at least "
+                            "one each")
+        to_eval = scores < eval_fraction
+        to_eval[np.argmin(scores)] = True
+        to_eval[np.argmax(scores)] = False
 
     # Pass 2: decode and write; a record with a bad media file is skipped and named.
     dirs = {"train": os.path.join(out_dir, "train"), "eval": os.path.join(out_dir, "eval")}
@@ -158,7 +172,7 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
         writers[split].add(ids, images, record.modality, len(record.text.encode("utf-8")))
         written[split] += 1
     if not any(written.values()):
-        raise DataError(f"every one of {scores.size} records was skipped; first: {skipped[0]}")
+        raise DataError(f"every one of {to_eval.size} records was skipped; first: {skipped[0]}")
     for split, count in written.items():
         if not count:
             raise DataError(f"{dirs[split]}: no records left after skipping {len(skipped)} "

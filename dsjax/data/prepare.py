@@ -137,13 +137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="multimodal: frames kept per video")
     parser.add_argument("--shard_images", type=int, default=1024,
                         help="multimodal: images per shard file")
+    parser.add_argument("--eval_input", action="append", default=[],
+                        help="multimodal: files whose records all go to eval (then every --input "
+                             "record goes to train; --eval_fraction is unused)")
     args = parser.parse_args(argv)
+    if args.eval_input and args.format != "multimodal":
+        print(f"error: --eval_input is for --format multimodal, got --format {args.format}",
+              file=sys.stderr)
+        return 2
     try:
         if args.format == "multimodal":
             result = prepare_multimodal(args.input, args.tokenizer, args.out, args.image_size,
                                         args.video_fps, args.max_frames, args.eval_fraction,
                                         args.seed, args.shard_tokens, args.shard_images,
-                                        args.overwrite)
+                                        args.overwrite, args.eval_input)
         else:
             result = prepare(args.input, args.format, args.tokenizer, args.out,
                              args.eval_fraction, args.seed, args.jsonl_field,
