@@ -380,3 +380,98 @@ def test_eval_mode_evaluates_a_converted_checkpoint(tmp_path):
     counts = [float(b["weights"].sum()) for b in batches]
     want = sum(hf_weighted_loss(model, b) * c for b, c in zip(batches, counts)) / sum(counts)
     assert results["eval_loss"] == pytest.approx(want, rel=1e-4)  # float32, as above
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-VL and SigLIP vision towers (dsjax.convert.vision_transfer)
+
+VISION_TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, image_size=16, patch_size=4)
+
+
+def _randomised(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):  # HF inits LayerNorm/RMSNorm to 1
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def save_random_vl(path, seed=0, dtype=torch.float32, **overrides):
+    """A random DeepseekVLForConditionalGeneration (with SigLIP's unused pooling head) saved as
+    safetensors."""
+    from transformers import DeepseekVLConfig, DeepseekVLForConditionalGeneration
+    cfg = DeepseekVLConfig(vision_config=dict(model_type="siglip_vision_model", **VISION_TINY),
+                           text_config=dict(model_type="llama", **TINY), image_token_id=511,
+                           **{"tie_word_embeddings": False, **overrides})
+    model = _randomised(DeepseekVLForConditionalGeneration(cfg), seed)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_vl_round_trip_is_bit_exact(tmp_path, capsys, dtype):
+    from transformers import DeepseekVLForConditionalGeneration
+    src, ckpt_dir, out = (str(tmp_path / d) for d in ("hf", "ckpt", "out"))
+    torch_dtype = getattr(torch, dtype)
+    save_random_vl(src, seed=4, dtype=torch_dtype)
+    assert convert.main(["hf-to-orbax", "--hf", src, "--out", ckpt_dir]) == 0
+    assert "skipping 11 tensors of SigLIP's attention-pooling head" in capsys.readouterr().out
+    assert convert.main(["orbax-to-hf", "--checkpoint", ckpt_dir, "--out", out,
+                         "--dtype", dtype]) == 0
+    before, after = load_safetensors_dir(src), load_safetensors_dir(out)
+    head = "model.vision_model.head."
+    assert sorted(after) == sorted(n for n in before if not n.startswith(head))
+    for name, t in after.items():
+        assert t.dtype == before[name].dtype == torch_dtype, name
+        assert torch.equal(_tensor_bits(t), _tensor_bits(before[name])), name
+
+    # transformers loads the export and computes what the source computes, images included.
+    loaded, original = (DeepseekVLForConditionalGeneration.from_pretrained(
+        d, dtype=torch.float32, attn_implementation="eager").eval() for d in (out, src))
+    assert not loaded.config.vision_config.vision_use_head
+    tokens = torch.randint(0, 500, (1, 24))
+    tokens[0, 4:20] = 511
+    pixels = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        a = loaded(input_ids=tokens, pixel_values=pixels).logits
+        b = original(input_ids=tokens, pixel_values=pixels).logits
+    assert torch.equal(a, b)
+
+
+def test_siglip_tower_round_trip_is_bit_exact(tmp_path, capsys):
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+    src, ckpt_dir, out = (str(tmp_path / d) for d in ("hf", "ckpt", "out"))
+    original = _randomised(SiglipVisionModel(SiglipVisionConfig(**VISION_TINY)), 5)
+    original.save_pretrained(src, safe_serialization=True)
+    assert convert.main(["hf-to-orbax", "--hf", src, "--out", ckpt_dir]) == 0
+    assert "attention-pooling head" in capsys.readouterr().out
+    assert convert.main(["orbax-to-hf", "--checkpoint", ckpt_dir, "--out", out]) == 0
+    before, after = load_safetensors_dir(src), load_safetensors_dir(out)
+    assert sorted(after) == sorted(n for n in before if not n.startswith("head."))
+    for name, t in after.items():
+        assert torch.equal(_tensor_bits(t), _tensor_bits(before[name])), name
+    loaded = SiglipVisionModel.from_pretrained(out, dtype=torch.float32).eval()
+    pixels = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(pixels).last_hidden_state, original(pixels).last_hidden_state)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"vision_config": {"model_type": "siglip_vision_model", **VISION_TINY,
+                        "hidden_act": "quick_gelu"}}, "vision_config: hidden_act"),
+], ids=["tied-head", "activation"])
+def test_deepseek_vl_bad_config_fails_naming_the_field(tmp_path, capsys, overrides, fragment):
+    src = str(tmp_path / "hf")
+    save_random_vl(src)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.update(overrides)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert convert.main(["hf-to-orbax", "--hf", src, "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsjax.convert: error: ") and fragment in err, err

@@ -1,4 +1,6 @@
-"""Hugging Face DeepSeek-LLM checkpoints (safetensors, `LlamaForCausalLM` layout) <-> dsjax Orbax.
+"""Hugging Face DeepSeek-LLM checkpoints (safetensors, `LlamaForCausalLM` layout) <-> dsjax Orbax;
+also DeepSeek-VL (`DeepseekVLForConditionalGeneration`) and SigLIP vision towers
+(`SiglipVisionModel`), recognised by config.json's model_type (`vision_transfer`).
 
   python -m dsjax.convert hf-to-orbax --hf HF_DIR [--config configs/NAME.py[:ARG]] --out CKPT_DIR
   python -m dsjax.convert orbax-to-hf --checkpoint CKPT_DIR_OR_WORKDIR --out HF_DIR
@@ -22,6 +24,8 @@ from typing import Sequence
 from dsjax.config import load
 from dsjax.convert.safetensors import parse_size
 from dsjax.convert.transfer import EXPORT_DTYPES, hf_to_orbax, orbax_to_hf
+from dsjax.convert.vision_transfer import (is_vision_checkpoint, is_vision_source,
+                                           vision_hf_to_orbax, vision_orbax_to_hf)
 from dsjax.errors import CheckpointError, ConfigError, ConvertError, SafetensorsError
 
 
@@ -51,10 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "hf-to-orbax":
             model_cfg = load(args.config).model if args.config else None
-            hf_to_orbax(args.hf, args.out, model_cfg)
+            convert = vision_hf_to_orbax if is_vision_source(args.hf) else hf_to_orbax
+            convert(args.hf, args.out, model_cfg)
         else:
-            orbax_to_hf(args.checkpoint, args.out, args.dtype, parse_size(args.max_shard_size),
-                        args.step)
+            export = vision_orbax_to_hf if is_vision_checkpoint(args.checkpoint) else orbax_to_hf
+            export(args.checkpoint, args.out, args.dtype, parse_size(args.max_shard_size),
+                   args.step)
     except (ConvertError, SafetensorsError, ConfigError, CheckpointError, OSError) as e:
         print(f"dsjax.convert: error: {e}", file=sys.stderr)
         return 2

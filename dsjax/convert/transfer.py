@@ -39,7 +39,7 @@ FP8_TAG, SCALE_SUFFIX, FP8_BLOCK = "F8_E4M3", "_scale_inv", 128  # DeepSeek-V3's
 # HF directory -> checks
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -53,23 +53,29 @@ def _read_json(path: str) -> dict:
 def check_tensors(weights: SafetensorsCheckpoint, cfg: ModelConfig) -> dict:
     """Every expected tensor present with its shape and a float dtype, nothing else; returns the
     plan of `tensor_plan`."""
-    plan = tensor_plan(cfg)
+    return check_plan(weights, tensor_plan(cfg), _ignored_tensors(weights, cfg),
+                      "dsjax's DeepSeek-LLM model", "(num_hidden_layers? tie_word_embeddings?)")
+
+
+def check_plan(weights: SafetensorsCheckpoint, plan: dict, ignored: set[str], model: str,
+               hint: str, dim_names: dict[str, str] = DIM_NAMES) -> dict:
+    """`check_tensors` for any plan (HF name -> (rule, index, shape)); tensors in `ignored` may
+    be present. `model` names the dsjax model, `hint` the config fields a mismatch suggests."""
     missing = [name for name in plan if name not in weights.tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConvertError(f"missing tensor {missing[0]}{more}: the checkpoint does not match "
-                           "the config (num_hidden_layers? tie_word_embeddings?)")
-    ignored = _ignored_tensors(weights, cfg)
+                           f"the config {hint}")
     unexpected = sorted(set(weights.tensors) - set(plan) - ignored)
     if unexpected:
         info = weights.tensors[unexpected[0]]
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConvertError(f"unexpected tensor {info.name} in {info.file}{more}: dsjax's "
-                           "DeepSeek-LLM model has no such parameter")
+        raise ConvertError(f"unexpected tensor {info.name} in {info.file}{more}: {model} has no "
+                           "such parameter")
     for name, (rule, _, shape) in plan.items():
         info = weights.tensors[name]
         if info.shape != shape:
-            dims = ", ".join(DIM_NAMES[d] for d in rule.hf_dims)
+            dims = ", ".join(dim_names[d] for d in rule.hf_dims)
             raise ConvertError(f"tensor {name} in {info.file}: shape {list(info.shape)}, expected "
                                f"{list(shape)} = [{dims}]")
         if info.dtype == FP8_TAG and name + SCALE_SUFFIX in weights.tensors:
@@ -117,12 +123,12 @@ def read_tensor(weights: SafetensorsCheckpoint, name: str) -> np.ndarray:
     return w.astype(np.float32) * full[:w.shape[0], :w.shape[1]]
 
 
-def _require_empty(path: str, flag: str) -> None:
+def require_empty(path: str, flag: str) -> None:
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise ConvertError(f"{flag}: {path} exists and is not an empty directory")
 
 
-def _copy_side_files(sources: Sequence[str], out_dir: str, renames: dict[str, str]) -> list[str]:
+def copy_side_files(sources: Sequence[str], out_dir: str, renames: dict[str, str]) -> list[str]:
     copied = []
     for name, target in renames.items():
         for directory in sources:
@@ -134,7 +140,7 @@ def _copy_side_files(sources: Sequence[str], out_dir: str, renames: dict[str, st
     return copied
 
 
-def _nested(flat: dict[tuple[str, ...], Any]) -> dict:
+def nest_leaves(flat: dict[tuple[str, ...], Any]) -> dict:
     tree: dict = {}
     for path, value in flat.items():
         node = tree
@@ -156,7 +162,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
     if not os.path.isfile(config_path):
         raise ConvertError(f"--hf: {config_path} not found (a Hugging Face model directory has "
                            "config.json beside its weights)")
-    source = _read_json(config_path)
+    source = read_json(config_path)
     cfg = model_config_from_hf(source, config_path)
     weights = open_directory(hf_dir)
     if cfg.num_mtp_layers and not _mtp_tensors(weights, cfg, cfg.num_layers):
@@ -177,9 +183,24 @@ def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
             f"num_mtp_layers={cfg.num_mtp_layers} (layers >= "
             f"{cfg.num_layers + cfg.num_mtp_layers})")
     shapes = leaf_shapes(cfg)
-    _require_empty(out_dir, "--out")
+    require_empty(out_dir, "--out")
     log(f"hf-to-orbax: {len(plan)} tensors from {len(weights.files)} file(s) in {hf_dir}")
 
+    leaves = fill_leaves(weights, plan, shapes)
+    # Orbax holds extra copies while it writes. Given CPU jax.Arrays that alias the numpy leaves
+    # (device_put is zero-copy on the CPU) it held 1-1.4 copies; given the numpy leaves, ~1.8
+    # (measured; docs/convert.md).
+    cpu = jax.devices("cpu")[0]
+    save_params(out_dir, jax.tree.map(lambda a: jax.device_put(a, cpu), nest_leaves(leaves)), cfg)
+    copied = copy_side_files([hf_dir], out_dir, {"config.json": HF_CONFIG_COPY,
+                                                  **{n: n for n in SIDE_FILES}})
+    log(f"wrote {out_dir} (step 0; also {', '.join(copied)})")
+    return cfg
+
+
+def fill_leaves(weights: SafetensorsCheckpoint, plan: dict, shapes: dict[tuple[str, ...], tuple]
+                ) -> dict[tuple[str, ...], np.ndarray]:
+    """The float32 dsjax leaves (path -> array) of a checked plan, read one tensor at a time."""
     # The float32 dsjax tree is our only large allocation: each source tensor is a mapped view
     # whose transpose-and-cast copy lands straight in its slot.
     leaves = {path: np.empty(shape, np.float32) for path, shape in shapes.items()}
@@ -196,18 +217,10 @@ def hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None = None,
         if not np.isfinite(dest).all():
             raise ConvertError(f"tensor {name} in {weights.tensors[name].file}: contains NaN or "
                                "Inf; refusing to write a checkpoint with non-finite values")
-    # Orbax holds extra copies while it writes. Given CPU jax.Arrays that alias the numpy leaves
-    # (device_put is zero-copy on the CPU) it held 1-1.4 copies; given the numpy leaves, ~1.8
-    # (measured; docs/convert.md).
-    cpu = jax.devices("cpu")[0]
-    save_params(out_dir, jax.tree.map(lambda a: jax.device_put(a, cpu), _nested(leaves)), cfg)
-    copied = _copy_side_files([hf_dir], out_dir, {"config.json": HF_CONFIG_COPY,
-                                                  **{n: n for n in SIDE_FILES}})
-    log(f"wrote {out_dir} (step 0; also {', '.join(copied)})")
-    return cfg
+    return leaves
 
 
-def _open_checkpoint(directory: str, step: int | None):
+def open_checkpoint(directory: str, step: int | None):
     """(manager, step, directory holding the steps) for a converted dir, a run workdir or its
     checkpoints/ dir."""
     try:
@@ -222,7 +235,7 @@ def _open_checkpoint(directory: str, step: int | None):
     return manager, step, candidate
 
 
-def _model_from_meta(manager, step: int, where: str) -> ModelConfig:
+def model_from_meta(manager, step: int, where: str) -> ModelConfig:
     meta, why = read_meta(manager, step)
     if why is not None:
         raise ConvertError(f"{where}: no readable dsjax meta item ({why})")
@@ -237,8 +250,8 @@ def _model_from_meta(manager, step: int, where: str) -> ModelConfig:
 def _restore_leaf(manager, step: int, path: tuple[str, ...], shape: tuple[int, ...],
                   where: str) -> np.ndarray:
     """One params leaf as a host numpy array; nothing else of the checkpoint is read."""
-    item = _nested({path: jax.ShapeDtypeStruct(shape, np.float32)})
-    restore_args = _nested({path: ocp.RestoreArgs(restore_type=np.ndarray)})
+    item = nest_leaves({path: jax.ShapeDtypeStruct(shape, np.float32)})
+    restore_args = nest_leaves({path: ocp.RestoreArgs(restore_type=np.ndarray)})
     try:
         restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
             item=item, restore_args=restore_args, partial_restore=True)))["params"]
@@ -250,22 +263,10 @@ def _restore_leaf(manager, step: int, path: tuple[str, ...], shape: tuple[int, .
     return np.asarray(restored, np.float32)
 
 
-def orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
-                max_shard_bytes: int = 5 * 10**9, step: int | None = None, log=print) -> list[str]:
-    """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` loads; returns the
-    weight files written. Reads the checkpoint leaf by leaf."""
-    if dtype not in EXPORT_DTYPES:
-        raise ConvertError(unknown_choice("dtype", dtype, EXPORT_DTYPES, "--dtype"))
-    manager, step, steps_dir = _open_checkpoint(checkpoint, step)
-    where = f"checkpoint step {step} in {steps_dir}"
-    cfg = _model_from_meta(manager, step, where)
-    shapes = leaf_shapes(cfg)
-    plan = tensor_plan(cfg)
-    _require_empty(out_dir, "--out")
-    os.makedirs(out_dir, exist_ok=True)
-    tag = EXPORT_DTYPES[dtype]
-    log(f"orbax-to-hf: {where} -> {out_dir} ({dtype})")
-
+def write_weights(manager, step: int, plan: dict, shapes: dict, out_dir: str, tag: str,
+                  max_shard_bytes: int, where: str) -> list[str]:
+    """Writes the plan's HF tensors (safetensors dtype `tag` unless a rule fixes its own) from
+    the checkpoint, holding one dsjax leaf at a time; returns the files written."""
     loaded: dict[tuple[str, ...], np.ndarray] = {}  # at most one leaf: the plan is leaf-major
 
     def produce(name: str) -> np.ndarray:
@@ -279,12 +280,32 @@ def orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
     files = write_checkpoint(out_dir, [(n, shape, rule.export_tag or tag)
                                        for n, (rule, _, shape) in plan.items()],
                              produce, max_shard_bytes)
+    return files
+
+
+def orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
+                max_shard_bytes: int = 5 * 10**9, step: int | None = None, log=print) -> list[str]:
+    """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` loads; returns the
+    weight files written. Reads the checkpoint leaf by leaf."""
+    if dtype not in EXPORT_DTYPES:
+        raise ConvertError(unknown_choice("dtype", dtype, EXPORT_DTYPES, "--dtype"))
+    manager, step, steps_dir = open_checkpoint(checkpoint, step)
+    where = f"checkpoint step {step} in {steps_dir}"
+    cfg = model_from_meta(manager, step, where)
+    shapes = leaf_shapes(cfg)
+    plan = tensor_plan(cfg)
+    require_empty(out_dir, "--out")
+    os.makedirs(out_dir, exist_ok=True)
+    tag = EXPORT_DTYPES[dtype]
+    log(f"orbax-to-hf: {where} -> {out_dir} ({dtype})")
+
+    files = write_weights(manager, step, plan, shapes, out_dir, tag, max_shard_bytes, where)
     sources = list(dict.fromkeys([checkpoint, steps_dir]))
     template_path = next((os.path.join(d, HF_CONFIG_COPY) for d in sources
                           if os.path.isfile(os.path.join(d, HF_CONFIG_COPY))), None)
-    template = _read_json(template_path) if template_path else None
+    template = read_json(template_path) if template_path else None
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config(cfg, dtype, template), f, indent=2)
-    copied = _copy_side_files(sources, out_dir, {n: n for n in SIDE_FILES})
+    copied = copy_side_files(sources, out_dir, {n: n for n in SIDE_FILES})
     log(f"wrote {out_dir}: {', '.join(files + ['config.json'] + copied)}")
     return files
