@@ -23,7 +23,7 @@ class VisionSpec:
     mlp_dim: int  # tower MLP hidden width
     image_token_id: int  # the placeholder token each image feature row replaces
     projector: str = "mlp"  # one of PROJECTORS
-    frame_token_id: int = -1  # video frames' placeholder token; -1 = none
+    frame_token_id: int = -1  # the separator between video frames (an ordinary token); -1 = none
     num_channels: int = 3  # pixel channels
     norm_eps: float = 1e-6  # tower LayerNorm epsilon (SigLIP: 1e-6)
     gelu_tanh: bool = True  # tower MLP GELU: tanh approximation (gelu_pytorch_tanh) or exact
