@@ -177,9 +177,9 @@ def test_downsample_mlp_is_unfold_then_linear_gelu_linear():
     params = nn.unbox(module.init(jax.random.key(0), x)["params"])
     torch_mlp = torch.nn.Sequential(torch.nn.Linear(24, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     with torch.no_grad():
-        torch_mlp[0].weight.copy_(torch.from_numpy(np.asarray(params["linear1"]).T))
+        torch_mlp[0].weight.copy_(torch.from_numpy(np.array(params["linear1"]).T))
         torch_mlp[0].bias.copy_(torch.from_numpy(rng.normal(size=8).astype(np.float32)))
-        torch_mlp[2].weight.copy_(torch.from_numpy(np.asarray(params["linear2"]).T))
+        torch_mlp[2].weight.copy_(torch.from_numpy(np.array(params["linear2"]).T))
         torch_mlp[2].bias.copy_(torch.from_numpy(rng.normal(size=8).astype(np.float32)))
         want = torch_mlp(_vl2_unfold(torch.from_numpy(x))).numpy()
     params = {**params, "bias1": jnp.asarray(torch_mlp[0].bias.detach().numpy()),
