@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -16,10 +17,10 @@ import numpy as np
 
 from dsjax import checkpoint as ckpt
 from dsjax import metrics as mx
-from dsjax import sharding
+from dsjax import grounding, sharding
 from dsjax.config import Config
-from dsjax.data import eval_batches, load_tokenizer, mixed_eval_batches
-from dsjax.data.splits import Splits, data_splits, media_reading
+from dsjax.data import eval_batches, load_image, load_tokenizer, mixed_eval_batches
+from dsjax.data.splits import Splits, data_splits, media_reading, vl_root
 from dsjax.model.loss import ModelLoss
 from dsjax.train.trainer import build_trainer
 
@@ -117,6 +118,8 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
         prompt = [int(t) for t in tokenizer.encode(cfg.train.sample_prompt)]
         out = generate(trainer, params, prompt, cfg.train.sample_tokens)
         results["sample"] = cfg.train.sample_prompt + tokenizer.decode(out)
+    if cfg.data.source == "vl_corpus":
+        results.update(_grounding(trainer, params, vl_root(cfg, workdir), cfg))
     bpb = results["eval_bits_per_byte"]
     mx.log(f"held-out: loss {results['eval_loss']:.4f} nats/token | perplexity "
            f"{results['eval_perplexity']:.3f}" + (f" | {bpb:.4f} bits/byte" if bpb else "") +
@@ -125,6 +128,22 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
         mx.log("sample (greedy):\n" + results["sample"])
     mx.update_summary(workdir, results)
     return results
+
+
+def _grounding(trainer, params: Any, root: str, cfg: Config) -> dict[str, Any]:
+    """The cpu_vl corpus's grounding scores, logged with greedy captions of held-out digits."""
+    out = {"image_grounding": grounding.image_grounding(trainer, params, root, cfg),
+           "video_grounding": grounding.video_grounding(trainer, params, root, cfg)}
+    g, v = out["image_grounding"], out["video_grounding"]
+    mx.log(f"grounding: caption loss {g['caption_loss_true_image']:.4f} with the true image, "
+           f"{g['caption_loss_shuffled_image']:.4f} with another | digit accuracy "
+           f"{g['digit_accuracy']:.3f} (chance 0.1) | direction accuracy "
+           f"{v['direction_accuracy']:.3f} (chance 0.25)")
+    for item in grounding.eval_labels(root)["image"][:3]:
+        frames = load_image(os.path.join(root, "raw", item["path"]), cfg.vision.image_size)
+        caption = grounding.greedy_caption(trainer, params, frames[None], 40)
+        mx.log(f"caption of held-out digit {item['label']} ({item['path']}): {caption!r}")
+    return out
 
 
 def run(cfg: Config, workdir: str, allow_fallback: bool = False) -> dict[str, Any]:

@@ -25,7 +25,7 @@ FP8_OTHER_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "onebit_adam")
 ONEBIT_COMPRESS = ("update", "momentum")  # 1-bit Adam: m / (sqrt(v) + eps), or m (DeepSpeed)
-DATA_SOURCES = ("stdlib", "prepared")
+DATA_SOURCES = ("stdlib", "prepared", "vl_corpus")
 BATCH_POLICIES = ("fixed", "ramp", "adaptive")
 LR_SCALINGS = ("none", "linear", "sqrt")
 ATTENTION_KINDS = ("mha", "mla")
@@ -148,10 +148,22 @@ def validate_data(cfg: Config) -> None:
                           f"{cfg.mesh.data}")
     _bounds("data", d, positive="video_fps max_frames")
     if d.mix:
-        if d.source != "prepared":
-            raise ConfigError(f"data.mix: mixes prepared sources (data.path/NAME); set "
-                              f"data.source='prepared', got {d.source!r}")
+        if d.source == "stdlib":
+            raise ConfigError("data.mix: mixes prepared sources (data.path/NAME) or the "
+                              "vl_corpus sources; set data.source='prepared' or 'vl_corpus'")
         mix_weights(d.mix)
+    if d.source == "vl_corpus":
+        # Text from the stdlib corpus, captioned digits and clips (dsjax/data/vl_sources.py).
+        if not d.mix:
+            raise ConfigError("data.mix: data.source='vl_corpus' mixes its sources text, image "
+                              "and video by weight; set e.g. 'text:0.3,image:0.5,video:0.2'")
+        unknown = set(mix_weights(d.mix)) - {"text", "image", "video"}
+        if unknown:
+            raise ConfigError(f"data.mix: data.source='vl_corpus' has the sources text, image "
+                              f"and video, not {', '.join(sorted(unknown))}")
+        if d.tokenizer != "byte" or not cfg.vision.enabled:
+            raise ConfigError("data.source: 'vl_corpus' is byte-tokenized images and video; it "
+                              "needs data.tokenizer='byte' and a vision.tower")
 
 
 def mix_weights(mix: str) -> dict[str, float]:

@@ -12,6 +12,7 @@ import jax
 
 from dsjax.config import Config, mix_weights
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
+from dsjax.data.vl_sources import build_vl_sources
 from dsjax.errors import DataError
 
 
@@ -25,6 +26,21 @@ class Splits:
     @property
     def mixed(self) -> bool:
         return bool(self.sources)
+
+
+def vl_root(cfg: Config, workdir: str) -> str:
+    """Where data.source='vl_corpus' builds its sources (data.path, or WORKDIR/data/vl)."""
+    return cfg.data.path or os.path.join(workdir, "data", "vl")
+
+
+def _one_writer(build, name: str):
+    """`build()` on every process, after process 0 has built (a cache) and the others waited."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        if jax.process_index() == 0:
+            build()
+        multihost_utils.sync_global_devices(name)
+    return build()
 
 
 def _check_prepared(path: str, arg: str) -> dict:
@@ -58,14 +74,15 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
         if cfg.data.tokenizer != "byte":
             raise DataError("data.tokenizer: the stdlib corpus is byte-tokenized; use 'byte'")
         cache = cfg.data.path or os.path.join(workdir, "data", "stdlib")
-        if jax.process_count() > 1:
-            # One writer: process 0 builds the cache, the others wait for it and then read it.
-            from jax.experimental import multihost_utils
-            if jax.process_index() == 0:
-                build_stdlib_corpus(cache)
-            multihost_utils.sync_global_devices("dsjax stdlib corpus")
-        train, held_out = build_stdlib_corpus(cache)
+        train, held_out = _one_writer(lambda: build_stdlib_corpus(cache), "dsjax stdlib corpus")
         return Splits(train, held_out, "byte")
+    if cfg.data.source == "vl_corpus":
+        root = vl_root(cfg, workdir)
+        built = _one_writer(lambda: build_vl_sources(
+            root, cfg.vision.image_size, cfg.data.video_fps, cfg.data.max_frames),
+            "dsjax vl corpus")
+        return Splits("", "", "byte", tuple((name, *built[name])
+                                            for name in mix_weights(cfg.data.mix)))
     if cfg.data.mix:
         sources, tokenizer = [], None
         for name in mix_weights(cfg.data.mix):
