@@ -246,7 +246,7 @@ class MetricsConfig:
 
 
 VISION_TOWERS = ("none", "siglip")
-PROJECTORS = ("mlp", "downsample_mlp")
+PROJECTORS = ("mlp", "downsample_mlp")  # DeepSeek-VL's aligner | VL2's downsample_mlp_gelu
 TRAINABLE_GROUPS = ("vision", "projector", "lm")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-PROJECTORS = ("mlp", "downsample_mlp")  # DeepSeek-VL's aligner | DeepSeek-VL2's downsample_mlp_gelu
+from dsjax.config.sections import PROJECTORS  # DeepSeek-VL's aligner | VL2's downsample_mlp_gelu
 # The tower's fields (`SiglipTower`), in its order.
 TOWER_FIELDS = ("image_size", "patch_size", "num_channels", "hidden_size", "num_layers",
                 "num_heads", "mlp_dim", "norm_eps", "gelu_tanh", "init_std")
