@@ -31,7 +31,7 @@ import os
 import numpy as np
 
 from dsjax.errors import DataError
-from dsjax.data.shards import META, _save_npy, token_dtype
+from dsjax.data.shards import META, _save_npy, token_dtype, write_meta
 
 FORMAT = "dsjax-multimodal-v1"
 MODALITIES = ("text", "image", "video")
@@ -144,11 +144,7 @@ class MultimodalWriter:
             "shards": self._shards,
             **self._extra,
         }
-        path = os.path.join(self.out_dir, META)
-        with open(path + ".tmp", "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(path + ".tmp", path)
-        return meta
+        return write_meta(self.out_dir, meta)
 
 
 def read_mm_meta(split_dir: str) -> dict:

@@ -127,11 +127,16 @@ class ShardWriter:
             "shards": self._shards,
             **self._extra,
         }
-        path = os.path.join(self.out_dir, META)
-        with open(path + ".tmp", "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(path + ".tmp", path)
-        return meta
+        return write_meta(self.out_dir, meta)
+
+
+def write_meta(out_dir: str, meta: dict) -> dict:
+    """Writes meta.json last and atomically: a split directory without it is incomplete."""
+    path = os.path.join(out_dir, META)
+    with open(path + ".tmp", "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return meta
 
 
 def read_meta(split_dir: str) -> dict:
