@@ -323,8 +323,9 @@ def test_bad_media_record_is_named_and_skipped(corpus, tmp_path, capsys):
             build_document(record, ByteTokenizer(), 8, 1.0, 4)
     rc = prepare_main(["--format", "multimodal", "--input", str(root / "mixed.jsonl"),
                        "--image_size", "8", "--out", str(tmp_path / "out")])
-    printed = capsys.readouterr().out
-    assert rc == 0
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert rc == 0, captured.err
     assert "skipped 2 record(s)" in printed
     assert "mixed.jsonl:7:" in printed and "mixed.jsonl:8:" in printed
     metas = [json.load(open(tmp_path / "out" / s / "meta.json")) for s in ("train", "eval")]

@@ -44,8 +44,10 @@ class Record:
         return "video" if self.video else ("image" if self.images else "text")
 
     def content(self) -> str:
-        """What the split hash sees: the text and the media it refers to."""
-        return "\0".join((self.text, *self.images, self.video or ""))
+        """What the split hash sees: the text and the names of the media it refers to (not
+        where the corpus lies, so a copy of it splits the same)."""
+        names = (os.path.basename(p) for p in (*self.images, self.video or ""))
+        return "\0".join((self.text, *names))
 
 
 def parse_record(where: str, record: dict, base_dir: str) -> Record:
@@ -110,6 +112,15 @@ def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
     return np.concatenate(parts).astype(np.int64), frames
 
 
+def _decodes(record: Record, tokenizer, image_size: int, video_fps: float,
+             max_frames: int) -> bool:
+    try:
+        build_document(record, tokenizer, image_size, video_fps, max_frames)
+    except MediaError:
+        return False
+    return True
+
+
 def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir: str,
                        image_size: int, video_fps: float = DataConfig.video_fps,
                        max_frames: int = DataConfig.max_frames,
@@ -153,8 +164,16 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
             raise DataError(f"{files[0]}: {scores.size} records; train and eval need at least "
                             "one each")
         to_eval = scores < eval_fraction
-        to_eval[np.argmin(scores)] = True
         to_eval[np.argmax(scores)] = False
+        # At least one held-out record whose media decode (a bad one is skipped in pass 2):
+        # the lowest-scoring that does, when none of those the hash assigned does.
+        records = list(iter_records(files))
+        decodes = lambda i: _decodes(records[i], tokenizer, image_size, video_fps, max_frames)
+        if not any(decodes(i) for i in np.flatnonzero(to_eval)):
+            good = next((i for i in np.argsort(scores) if i != np.argmax(scores) and decodes(i)),
+                        None)
+            if good is not None:
+                to_eval[good] = True
 
     # Pass 2: decode and write; a record with a bad media file is skipped and named.
     dirs = {"train": os.path.join(out_dir, "train"), "eval": os.path.join(out_dir, "eval")}
