@@ -81,10 +81,6 @@ def compositions(cfg: Config) -> None:
                           f"{p.schedule!r}")
     if S == 1:
         return
-    if cfg.vision.enabled:
-        # Stage 0 runs the embedding alone; the tower does not run there yet (docs/multimodal.md).
-        raise ConfigError(f"vision.tower: a vision-language model trains unpipelined for now; "
-                          f"set mesh.pipeline=1 (got {S}) and use mesh.data / mesh.tensor")
     # A MoE model's dense first blocks run on stage 0 before the stages (dsjax/pipeline/).
     k = m.first_k_dense_replace if m.is_moe else 0
     # Every stage runs one program, so every chunk of layers must make the same choices.

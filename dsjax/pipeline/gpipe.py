@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax.model.decoder import embed_tokens
 from dsjax.model.loss import BATCH_KEYS
-from dsjax.pipeline.stages import (STAGE, StagedModel, head_nll, index, interleave, mtp_terms,
-                                   run_chunk, split_params, stage0_input, stage_specs, ticks)
+from dsjax.pipeline.stages import (FRONT_BATCH_KEYS, STAGE, StagedModel, head_nll,
+                                   heavy_front, index, interleave, mtp_terms, run_chunk,
+                                   split_params, stage0_input, stage_specs, ticks)
 
 
 def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax.Array]
@@ -41,10 +42,9 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
         chunks = interleave(jax.tree.map(  # [L/S, ...] -> [R, Lc, ...]
             lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), chunks), S, R)
         s = lax.axis_index(STAGE)
-        if pipe.prefix:  # the dense prefix blocks feed stage 0 only
+        if heavy_front(pipe):  # dense prefix blocks, a vision tower: they feed stage 0 only
             prefix_MBSD = lambda: _unfold(stage0_input(
-                pipe, top, *(_fold(micro[k]) for k in ("inputs", "positions", "segment_ids"))),
-                M)
+                pipe, top, {k: _fold(micro[k]) for k in FRONT_BATCH_KEYS if k in micro}), M)
             if jax.default_backend() == "cpu":
                 # Every stage runs them and keeps stage 0's: no collective in a branch only
                 # some devices take (docs/pipeline.md, "Dense prefix on XLA:CPU").
@@ -77,8 +77,9 @@ def forward_pipeline(pipe: StagedModel, params: Any, meta: Any, micro: dict[str,
                 load_RLE = load_RLE.at[r].add(jnp.where(busy, stats["load"], 0.0))
             return (lax.ppermute(y_BSD, STAGE, perm), laps_MBSD, balance_RL, load_RLE), y_BSD
 
-        state = jnp.zeros_like(x_MBSD[0])
-        laps = jnp.zeros_like(x_MBSD) if R > 1 else jnp.zeros((), x_MBSD.dtype)
+        # Fresh zeros (not zeros_like: stage 0's input may already vary over the stages).
+        state = jnp.zeros(x_MBSD.shape[1:], x_MBSD.dtype)
+        laps = jnp.zeros(x_MBSD.shape, x_MBSD.dtype) if R > 1 else jnp.zeros((), x_MBSD.dtype)
         Lc, E = chunk_model.cfg.num_layers, model.cfg.n_routed_experts
         balance = jnp.zeros((R, Lc) if moe else (), jnp.float32)
         load = jnp.zeros((R, Lc, E) if moe else (), jnp.float32)

@@ -18,7 +18,8 @@ from dsjax.sharding import varying_axes
 from dsjax.model.decoder import FP8_ON
 from dsjax.model.loss import BATCH_KEYS
 from dsjax.pipeline import stash
-from dsjax.pipeline.stages import (PREFIX_META, STAGE, StagedModel, aux_terms, head_nll, index,
+from dsjax.pipeline.stages import (FRONT_BATCH_KEYS, PREFIX_META, STAGE, StagedModel,
+                                   aux_terms, front_params, head_nll, heavy_front, index,
                                    interleave, mtp_terms, run_chunk, split_params, stage0_input,
                                    stage_specs, ticks)
 
@@ -155,21 +156,19 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
         def stage(variables, x_BSD, aux):  # (y, MoE stats or None); aux: (positions, segs)
             return run_chunk(chunk_model, variables, x_BSD, *aux)
 
-        def embed(emb, _, aux):  # `emb`: the embedding, and the dense prefix's "layers" if any
-            sub = emb if isinstance(emb, dict) else {"embedding": emb}
-            return stage0_input(pipe, sub, *aux)
+        def embed(front, _, aux):  # `front`: `front_params` of top; aux: microbatch arrays
+            return stage0_input(pipe, front, aux)
 
         def stage_aux(m):
             return pos[m], seg[m]
 
         def embed_aux(m):
-            return micro["inputs"][m], pos[m], seg[m]
+            return {k: micro[k][m] for k in FRONT_BATCH_KEYS if k in micro}
 
-        # What stage 0 differentiates before the stages: the embedding and the dense prefix
-        # (with delayed fp8 also its state, whose "gradient" is the amax observations).
+        # What stage 0 differentiates before the stages: the embedding, the dense prefix (with
+        # delayed fp8 also its state, whose "gradient" is the amax observations), the tower.
         def front(top):
-            return ({k: top[k] for k in ("embedding", "layers", PREFIX_META) if k in top}
-                    if pipe.prefix else top["embedding"])
+            return front_params(pipe, top)
 
         def head(top, y_BSD, m):
             """(this microbatch's share of the objective, (its NLL share, MTP sums))."""
@@ -215,7 +214,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
 
             def embed_forward():
                 return _varying(embed_res.forward(embed, front(top), (), embed_aux(mf)), typed)
-            if pipe.prefix:  # dense blocks: only stage 0 runs them
+            if heavy_front(pipe):  # dense blocks, a vision tower: only stage 0 runs them
                 in_BSD, embed_leaves = lax.cond(
                     enter, embed_forward,
                     lambda: (fwd_BSD, _zeros(embed_res.stash_shapes, typed)))
@@ -274,7 +273,7 @@ def _one_f_one_b(pipe: StagedModel, params: Any, meta: Any, micro: dict[str, jax
 
             d_stage, d_top = acc
             d_top = jax.tree.map(jnp.add, d_top, d_top_head)
-            if pipe.prefix:
+            if isinstance(d_front, dict):  # front_params: a dict with prefix or tower
                 d_params = dict(d_front)
                 seen = d_params.pop(PREFIX_META, None)
                 d_top = {**d_top, **jax.tree.map(jnp.add, {k: d_top[k] for k in d_params},

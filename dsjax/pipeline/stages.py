@@ -22,6 +22,9 @@ from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, chunks_per_stage
 from dsjax.model.decoder import FP8_ON, Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
 from dsjax.model import loss
+from dsjax.model.loss import MEDIA_KEYS
+from dsjax.model.vision import (SiglipTower, image_features, insert_image_features,
+                                make_projector)
 
 STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
 # The MTP modules' params: replicated over the stages, run with the head (`mtp_terms`).
@@ -214,19 +217,62 @@ def index(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def stage0_input(pipe: StagedModel, top: Any, tokens_BS: jax.Array, positions_BS: jax.Array,
-                 segment_ids_BS: jax.Array) -> jax.Array:
-    """Stage 0's input: the embedding, then a MoE model's dense prefix blocks (whose params,
-    "layers", are replicated over the stages like the embedding). [B, S] -> [B, S, D]."""
+# The top-level params stage 0 differentiates before the stages: the embedding, a MoE model's
+# dense prefix blocks ("layers"; with delayed fp8 their state), a vision model's tower and
+# projector.
+FRONT_KEYS = ("embedding", "layers", PREFIX_META, "vision_tower", "projector")
+
+
+def front_params(pipe: StagedModel, top: Any) -> Any:
+    """What stage 0 differentiates: the embedding alone, or a dict of FRONT_KEYS."""
+    if not (pipe.prefix or pipe.model.vision):
+        return top["embedding"]
+    return {k: top[k] for k in FRONT_KEYS if k in top}
+
+
+def heavy_front(pipe: StagedModel) -> bool:
+    """Whether stage 0's input costs more than an embedding lookup (dense prefix blocks, a
+    vision tower): then only stage 0 computes it."""
+    return bool(pipe.prefix or pipe.model.vision)
+
+
+def stage0_input(pipe: StagedModel, top: Any, mb: dict[str, jax.Array]) -> jax.Array:
+    """Stage 0's input for microbatch arrays `mb` (inputs, positions, segment_ids; a vision
+    model's pixels and image_mask): the embedding with image features at the placeholders, then
+    a MoE model's dense prefix blocks (whose params, "layers", are replicated over the stages
+    like the embedding). [B, S] -> [B, S, D]."""
     model = pipe.model
-    x_BSD = embed_tokens(top["embedding"], tokens_BS, model.dtype)
+    front = top if isinstance(top, dict) else {"embedding": top}
+    tokens_BS = mb["inputs"]
+    x_BSD = embed_tokens(front["embedding"], tokens_BS, model.dtype)
+    if model.vision is not None:
+        x_BSD = _with_images(model, front, x_BSD, tokens_BS, mb["pixels"], mb["image_mask"])
     if not pipe.prefix:
         return x_BSD
-    prefix = {"params": top["layers"]}
-    if PREFIX_META in top:
-        prefix[fp8.META_COLLECTION] = top[PREFIX_META]
-    x_BSD, _ = model.run_layers(x_BSD, prefix, positions_BS, segment_ids_BS, 0, pipe.prefix)
+    prefix = {"params": front["layers"]}
+    if PREFIX_META in front:
+        prefix[fp8.META_COLLECTION] = front[PREFIX_META]
+    x_BSD, _ = model.run_layers(x_BSD, prefix, mb["positions"], mb["segment_ids"], 0,
+                                pipe.prefix)
     return x_BSD
+
+
+def _with_images(model: Transformer, front: Any, x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM):
+    """x with the tower's projected image features at the placeholder tokens (the decoder's own
+    `_with_images`, from the params held outside a bound module)."""
+    spec = model.vision
+    tower = SiglipTower(**spec.tower_fields(), dtype=model.dtype, parent=None)
+    projector = make_projector(spec, model.cfg.hidden_size, model.dtype, name=None)
+
+    def encode(x_NHWC):
+        f_NPV = tower.apply({"params": front["vision_tower"]}, x_NHWC)
+        return projector.apply({"params": front["projector"]}, f_NPV)
+    feats_BQD = image_features(encode, pixels_BMHWC, image_mask_BM)
+    return insert_image_features(x_BSD, tokens_BS, feats_BQD, spec.image_token_id)
+
+
+# The microbatch arrays stage 0's input reads.
+FRONT_BATCH_KEYS = ("inputs", "positions", "segment_ids") + MEDIA_KEYS
 
 
 def mtp_terms(pipe: StagedModel, top: Any, x_BSD: jax.Array, mb: dict[str, jax.Array],
