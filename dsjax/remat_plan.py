@@ -29,7 +29,7 @@ from dsjax.metrics.flops import compiled_flops
 from dsjax.metrics.memory import device_memory_bytes
 from dsjax.model.build import make_model
 from dsjax.model.decoder import abstract_params, count_params
-from dsjax.model.loss import ModelLoss, loss_fn
+from dsjax.model.loss import BATCH_KEYS, ModelLoss, loss_fn, media_layout
 
 # (policy, layers) pairs the planner considers, from no recomputation to full recomputation.
 CANDIDATES = (("none", "all"), ("dots", "all"), ("dots_no_batch", "all"),
@@ -73,7 +73,9 @@ def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
     bs = sharding.batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
                                      sharding=bs)
-             for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+             for k in BATCH_KEYS}
+    for k, (dims, dtype) in media_layout(cfg.vision).items():  # a vision model's pixels
+        batch[k] = jax.ShapeDtypeStruct((shape[0], *dims), dtype, sharding=bs)
     grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, ModelLoss(model), b)[0])
     with sharding.activate(mesh, rules):
         return jax.jit(grad_fn, out_shardings=(sharding.replicated(mesh), shardings)).lower(

@@ -1,5 +1,6 @@
 """dsjax/metrics/ readings: the FLOPs formula against XLA's count, memory, GPU utilisation."""
 
+import dataclasses
 import sys
 import types
 
@@ -198,3 +199,24 @@ def test_cost_analysis_agrees_with_a_known_matmul_count():
     cost = jax.jit(jnp.matmul).lower(a, b).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     assert cost["flops"] == 2 * 64 * 96 * 32
+
+
+def test_vision_flops_formula_matches_xla():
+    # A one-layer tower (XLA counts a scan body once) on a tiny decoder: the formula's tower
+    # and projector FLOPs per image slot against the compiled train step's own count.
+    cfg = config_lib.load("configs/cpu_tiny.py", {
+        **FLOPS_MODEL, "mesh.data": 1, "mesh.tensor": 1, "mesh.pipeline": 1,
+        "vision.tower": "siglip", "vision.image_size": 32, "vision.patch_size": 8,
+        "vision.hidden_size": 64, "vision.num_layers": 1, "vision.num_heads": 4,
+        "vision.mlp_dim": 128, "vision.max_images": 2})
+    m, v, seq = cfg.model, cfg.vision, cfg.data.seq_len
+    tokens = cfg.data.global_batch * seq
+    text = dataclasses.replace(cfg, vision=dataclasses.replace(v, tower="none"))
+    xla_vision = (remat_plan.cost_analysis_flops(cfg, _mesh(cfg))
+                  - remat_plan.cost_analysis_flops(text, _mesh(text)))
+    formula = (mx.flops_per_token(m, seq, v) - mx.flops_per_token(m, seq)) * tokens
+    assert formula == cfg.data.global_batch * v.max_images * mx.vision_flops_per_image(
+        v, m.hidden_size)
+    # Below: the patch embedding's input (uint8 pixels) has no gradient, so XLA runs 4N of its
+    # 6N there; above: LayerNorms, softmax, GELU. Measured at 1.004x.
+    assert 0.9 < xla_vision / formula < 1.1, (xla_vision, formula)

@@ -3,7 +3,8 @@ collectives in compiled HLO (hlo), the communication share from a profiler trace
 memory (memory). docs/observability.md says what each number means."""
 
 from dsjax.metrics.flops import (PEAK_BF16, cost_per_million_tokens, flops_per_token,
-                                 matmul_params, measured_cpu_matmul_rate, peak_flops_per_device)
+                                 matmul_params, measured_cpu_matmul_rate, peak_flops_per_device,
+                                 vision_flops_per_image)
 from dsjax.metrics.hlo import Collective, axis_collectives, collective_bytes, hlo_collectives
 from dsjax.metrics.memory import (device_memory_bytes, device_utilisation, energy_joules,
                                   fit_capacity, format_bytes, memory_reading, memory_stats,
@@ -15,4 +16,4 @@ __all__ = ["PEAK_BF16", "Collective", "MetricsWriter", "axis_collectives", "coll
            "energy_joules", "fit_capacity", "flops_per_token",
            "format_bytes", "format_duration", "hlo_collectives", "log", "matmul_params",
            "measured_cpu_matmul_rate", "median_of", "memory_reading", "memory_stats",
-           "peak_flops_per_device", "predicted_bytes", "update_summary"]
+           "peak_flops_per_device", "predicted_bytes", "update_summary", "vision_flops_per_image"]

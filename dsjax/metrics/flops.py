@@ -7,6 +7,9 @@ FLOPs convention (stated once, used everywhere): training FLOPs per token =
 + 6 * L * S * H * K                 (attention scores and context: 12 * L * S * H * K for full
                                      attention, halved because the mask is causal; MLA: K is the
                                      mean of the qk and v head dims)
++ vision: per image slot of a row, 6 * the tower's and projector's matmul weights each patch /
+  projected token passes + 12 * L_v * P^2 * D_v (full attention over P patches), divided by
+  seq_len: every slot counts, filled or not, as the compiled step runs them all
 MFU = achieved model FLOPs/s / (peak FLOPs/s per device * devices). On CPU there is no datasheet
 peak: we measure a float32 matmul rate on this machine once and label MFU as relative to it.
 """
@@ -18,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dsjax.config import ModelConfig
+from dsjax.config import ModelConfig, VisionConfig
 
 # Dense bf16 peak per device (FLOP/s), from vendor datasheets (no sparsity).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -62,15 +65,31 @@ def cost_per_million_tokens(cost_per_device_hour: float, devices: int,
     return cost_per_device_hour * devices / 3600.0 / tokens_per_sec * 1e6
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) model FLOPs per token, causal attention."""
+def vision_flops_per_image(v: VisionConfig, model_width: int) -> float:
+    """Training FLOPs of one image slot through the tower and the projector."""
+    patches, D = (v.image_size // v.patch_size) ** 2, v.hidden_size
+    tower = (v.patch_size ** 2 * 3 * D  # the patch embedding
+             + v.num_layers * (4 * D * D + 2 * D * v.mlp_dim))
+    merged = 4 if v.projector == "downsample_mlp" else 1  # 2 x 2 patches per projected token
+    projector = (patches // merged) * (merged * D * model_width + model_width * model_width)
+    attention = 12 * v.num_layers * patches * patches * D
+    return 6 * (patches * tower + projector) + attention
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, vision: VisionConfig | None = None
+                    ) -> float:
+    """Training (forward + backward) model FLOPs per token, causal attention; with a vision
+    tower, its FLOPs per row (`vision.max_images` slots) spread over the row's tokens."""
     if cfg.attention == "mla":  # scores over qk dims, context over v dims
         qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     else:
         qk = v = cfg.resolved_head_dim
     layers = cfg.num_layers + cfg.num_mtp_layers
     attention = 3 * layers * seq_len * cfg.num_heads * (qk + v)
-    return 6 * matmul_params(cfg) + attention
+    text = 6 * matmul_params(cfg) + attention
+    if vision is None or not vision.enabled:
+        return text
+    return text + vision.max_images * vision_flops_per_image(vision, cfg.hidden_size) / seq_len
 
 
 def compiled_flops(compiled) -> float:

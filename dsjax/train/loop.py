@@ -127,7 +127,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     start = start or 0
     batcher.step = start
 
-    flops_tok = mx.flops_per_token(cfg.model, cfg.data.seq_len)
+    flops_tok = mx.flops_per_token(cfg.model, cfg.data.seq_len, cfg.vision)
     peak, peak_source = mx.peak_flops_per_device(cfg.metrics.peak_flops_per_device)
     peak_total = peak * jax.device_count()
     writer = mx.MetricsWriter(workdir, cfg.train.steps, cfg.metrics.tensorboard)
@@ -199,6 +199,8 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
             if "onebit_compressed" in m:
                 record["onebit_compressed"] = int(m["onebit_compressed"])
             record.update(moe_record(m))
+            if "images" in m:  # images and video frames the step read
+                record["images_per_sec"] = float(m["images"]) / typical
             writer.write(record, eta_s=typical * (cfg.train.steps - done))
 
     stops = StopConditions(max_runtime_s, log=mx.log).__enter__()  # signal handlers until the end

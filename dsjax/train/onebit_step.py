@@ -20,7 +20,7 @@ from dsjax.model import moe
 from dsjax.optim import OneBitAdam
 from dsjax.optim import loss_scale as ls
 from dsjax.optim.compressed_allreduce import tree_sq_norm
-from dsjax.train.step import TrainState, finish_step, finite_by_group
+from dsjax.train.step import TrainState, finish_step, finite_by_group, media_metrics
 
 DATA = "data"  # the mesh axis 1-bit Adam reduces over (see dsjax.sharding.MESH_AXES)
 
@@ -40,6 +40,16 @@ def _owned(spec: P) -> bool:
 def _data_part(spec: P) -> P:
     """The part of a param's spec that names `data` (block 1's in_spec: manual over it only)."""
     return P(*(DATA if entry == DATA else None for entry in spec))
+
+
+def _on_view(param_specs: Any, opt: OneBitAdam, opt_mesh: Mesh | None) -> Any:
+    """The params' specs on the optimizer's mesh: with optim.hierarchical an expert's `data`
+    is the host view's (hosts, workers per host), the same devices in the same order."""
+    if opt_mesh is None:
+        return param_specs
+    return jax.tree.map(lambda spec: P(*(opt.data_axes if entry == DATA else entry
+                                         for entry in spec)),
+                        param_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: bool,
@@ -164,20 +174,22 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
 
     # Hierarchical: on `opt_mesh` (the same devices, `data` seen as hosts x workers per host) the
     # grads' P(DATA) is P(opt.data_axes), and the optimizer's specs name the view's axes.
-    opt_specs = opt.state_specs(param_specs, owned=True)
+    view_specs = _on_view(param_specs, opt, opt_mesh)
+    opt_specs = opt.state_specs(view_specs, owned=True)
     data_spec = DATA if opt_mesh is None else opt.data_axes
-    grad_specs = jax.tree.map(lambda spec, o: spec if o else P(data_spec, *spec), param_specs,
+    grad_specs = jax.tree.map(lambda spec, o: spec if o else P(data_spec, *spec), view_specs,
                               owned, is_leaf=lambda x: isinstance(x, P))
     with sharding.on_view(opt_mesh):
         new_params, new_opt_state, grad_norm = jax.shard_map(
-            update, mesh=opt_mesh, in_specs=(grad_specs, opt_specs, param_specs),
-            out_specs=(param_specs, opt_specs, P()))(grads, state.opt_state, state.params)
+            update, mesh=opt_mesh, in_specs=(grad_specs, opt_specs, view_specs),
+            out_specs=(view_specs, opt_specs, P()))(grads, state.opt_state, state.params)
     if "moe_load" in aux and state.router_bias_speed:  # outside the gradient (DeepSeek-V3)
         new_params = moe.with_updated_router_bias(new_params, state.params, aux["moe_load"],
                                                   state.router_bias_speed)
     new_state, metrics = finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
                                       meta_grads, finite_by_group(grads))  # every worker's
     metrics.update(moe.load_metrics(aux))
+    metrics.update(media_metrics(batch))
     metrics["onebit_compressed"] = jnp.asarray(int(compressed), jnp.int32)
     metrics["lr"] = metrics["lr"] * lr_scale
     return new_state, metrics
@@ -190,15 +202,16 @@ def onebit_init_and_phases(cfg: Any, mesh: Mesh, tx: OneBitAdam, init_unboxed: A
     (warmup, compressed) for `Trainer.phase_fns`. `init_unboxed(rng)`: the state without
     optimizer state."""
     param_specs = jax.tree.map(lambda sh: sh.spec, state_shardings.params)
-    opt_specs = tx.state_specs(param_specs, owned=True)  # one spec per error group: a prefix
     # optim.hierarchical: the optimizer runs on the host view of the mesh (its specs name the
     # view's axes; `from_host_view` gives the same sharding on `mesh`).
     opt_mesh = sharding.hierarchical_view(cfg, mesh) if tx.fast_axis is not None else None
+    view_specs = _on_view(param_specs, tx, opt_mesh)
+    opt_specs = tx.state_specs(view_specs, owned=True)  # one spec per error group: a prefix
 
     def init_onebit(rng):
         state = init_unboxed(rng)
         with sharding.on_view(opt_mesh):
-            opt_state = jax.shard_map(tx.init, mesh=opt_mesh or mesh, in_specs=(param_specs,),
+            opt_state = jax.shard_map(tx.init, mesh=opt_mesh or mesh, in_specs=(view_specs,),
                                       out_specs=opt_specs)(state.params)
         return state.replace(opt_state=opt_state)
 

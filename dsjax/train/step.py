@@ -112,5 +112,11 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
     new_state, metrics = finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
                                       meta_grads, finite_by_group(grads))
     metrics.update(moe.load_metrics(aux))
+    metrics.update(media_metrics(batch))
     metrics["lr"] = metrics["lr"] * lr_scale
     return new_state, metrics
+
+
+def media_metrics(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """{"images": images and video frames in the batch} for a vision-language batch, else {}."""
+    return {"images": jnp.sum(batch["image_mask"])} if "image_mask" in batch else {}
