@@ -26,6 +26,7 @@ from dsjax.data import ByteTokenizer
 from dsjax.data.mm_prepare import Record, build_document
 from dsjax.data.vl_corpus import DIRECTIONS, candidate_captions, record_text
 from dsjax.data.vl_sources import eval_labels
+from dsjax.errors import DataError
 
 
 def caption_batch(docs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, tokens_per_image: int,
@@ -43,8 +44,9 @@ def caption_batch(docs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, token
     for b, (ids, frames) in enumerate(docs):
         row = np.append(np.repeat(ids, np.where(ids == image_token_id, tokens_per_image, 1)), eos)
         if len(row) > seq_len + 1 or len(frames) > max_images:
-            raise ValueError(f"a scored document of {len(row)} tokens and {len(frames)} images "
-                             f"does not fit a row of {seq_len + 1} tokens and {max_images} images")
+            raise DataError(f"data.seq_len: a scored document of {len(row)} tokens and "
+                            f"{len(frames)} images does not fit a row of {seq_len + 1} tokens "
+                            f"and {max_images} images (vision.max_images)")
         tokens[b, :len(row)], seg[b, :len(row)] = row, 1
         pixels[b, :len(frames)], mask[b, :len(frames)] = frames, True
     targets = tokens[:, 1:]

@@ -250,6 +250,14 @@ PROJECTORS = ("mlp", "downsample_mlp")  # DeepSeek-VL's aligner | VL2's downsamp
 TRAINABLE_GROUPS = ("vision", "projector", "lm")
 
 
+def tokens_per_image(image_size: int, patch_size: int, projector: str) -> int:
+    """Decoder positions one image (or video frame) takes: its patches, or with downsample_mlp
+    its 2 x 2 groups of patches (an odd grid padded, as DeepSeek-VL2 does)."""
+    side = image_size // patch_size
+    side = side if projector == "mlp" else -(-side // 2)
+    return side * side
+
+
 def trainable_groups(trainable: str) -> tuple[str, ...]:
     """`train.trainable` -> the parameter groups that learn (TRAINABLE_GROUPS order)."""
     names = [s.strip() for s in trainable.split(",") if s.strip()]
@@ -279,7 +287,8 @@ class VisionConfig:
     mlp_dim: int = 4096  # tower MLP hidden width
     norm_eps: float = 1e-6  # tower LayerNorm epsilon
     projector: str = "mlp"  # mlp (DeepSeek-VL: Linear, GELU, Linear) | downsample_mlp
-                            # (DeepSeek-VL2: 2x2 pixel-unshuffle, then the MLP; 4x fewer tokens)
+                            # (DeepSeek-VL2: 2x2 pixel-unshuffle, then the MLP; 4x fewer tokens;
+                            # an odd patch grid is zero-padded)
     max_images: int = 4  # image slots per row: images and video frames a row may hold
     # The placeholder and frame-separator ids: `python -m dsjax.data.prepare` gives them the
     # first ids after the text tokenizer's (byte: 257, 258) and records them in the split; a

@@ -14,7 +14,8 @@ import os
 from dsjax import remat
 from dsjax.config.compositions import compositions
 from dsjax.config.sections import (PIPELINE_SCHEDULES, PROJECTORS, VISION_TOWERS, Config,
-                                   ModelConfig, chunks_per_stage, trainable_groups)
+                                   ModelConfig, chunks_per_stage, tokens_per_image,
+                                   trainable_groups)
 from dsjax.errors import ConfigError, one_of
 from dsjax.runtime import xla_flags
 
@@ -164,6 +165,13 @@ def validate_data(cfg: Config) -> None:
         if d.tokenizer != "byte" or not cfg.vision.enabled:
             raise ConfigError("data.source: 'vl_corpus' is byte-tokenized images and video; it "
                               "needs data.tokenizer='byte' and a vision.tower")
+        v = cfg.vision
+        # A held-out clip scored whole: its frames, their separators, the longest caption.
+        need = d.max_frames * (tokens_per_image(v.image_size, v.patch_size, v.projector) + 1) + 40
+        if d.seq_len < need or v.max_images < d.max_frames:
+            raise ConfigError(f"data.seq_len: the vl_corpus clips take {d.max_frames} frames "
+                              f"and their caption, {need} tokens and {d.max_frames} image slots; "
+                              f"got data.seq_len={d.seq_len}, vision.max_images={v.max_images}")
 
 
 def mix_weights(mix: str) -> dict[str, float]:
@@ -201,9 +209,6 @@ def validate_vision(cfg: Config) -> None:
     if v.image_size % v.patch_size:
         raise ConfigError(f"vision.image_size: {v.image_size} is not a multiple of "
                           f"vision.patch_size {v.patch_size}")
-    if v.projector == "downsample_mlp" and (v.image_size // v.patch_size) % 2:
-        raise ConfigError(f"vision.projector: downsample_mlp merges 2 x 2 patches, and "
-                          f"image_size / patch_size = {v.image_size // v.patch_size} is odd")
     if v.hidden_size % v.num_heads:
         raise ConfigError(f"vision.hidden_size: {v.hidden_size} is not divisible by "
                           f"vision.num_heads {v.num_heads}")

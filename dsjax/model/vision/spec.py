@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsjax.config.sections import PROJECTORS  # DeepSeek-VL's aligner | VL2's downsample_mlp_gelu
+from dsjax.config.sections import PROJECTORS, tokens_per_image
 # The tower's fields (`SiglipTower`), in its order.
 TOWER_FIELDS = ("image_size", "patch_size", "num_channels", "hidden_size", "num_layers",
                 "num_heads", "mlp_dim", "norm_eps", "gelu_tanh", "init_std")
@@ -43,8 +43,7 @@ class VisionSpec:
     @property
     def tokens_per_image(self) -> int:
         """Feature rows (placeholder tokens) per image after the projector."""
-        side = self.grid if self.projector == "mlp" else -(-self.grid // 2)
-        return side * side
+        return tokens_per_image(self.image_size, self.patch_size, self.projector)
 
     def tower_fields(self) -> dict:
         return {name: getattr(self, name) for name in TOWER_FIELDS}
