@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FLAT_MESH, TINY_FLAGS, random_batch, read_records, run_launch
+from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import pipeline, sharding
 from dsjax.data import mixed_stream
@@ -162,3 +163,25 @@ def test_cpu_vl_trains_evaluates_grounding_and_captions(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("caption of held-out digit") == 3
     assert "digit accuracy" in proc.stdout
+
+
+def test_stage_1_trains_the_projector_alone_and_stage_2_starts_from_it(vl_data, tmp_path):
+    """The two stages through launch.py: stage 1's checkpoint holds the initial tower and
+    language model bit for bit and a trained projector; stage 2 starts from those weights."""
+    stage1, stage2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    proc = run_launch(stage1, _flags(vl_data, **{"train.trainable": "projector",
+                                                 "train.steps": 2, "optim.warmup_steps": 0}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = config_lib.load("configs/cpu_tiny.py", _flags(vl_data))
+    trainer = build_trainer(cfg)
+    initial = jax.device_get(trainer.init().params)  # the same seed as the run's init
+    trained = jax.device_get(ckpt.restore_params(os.path.join(stage1, "checkpoints"),
+                                                 trainer.abstract_state().params, cfg.model))
+    for name in initial:
+        same = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial[name]),
+                                                     jax.tree.leaves(trained[name]))]
+        assert (not any(same)) if name == "projector" else all(same), name
+    proc = run_launch(stage2, _flags(vl_data, **{
+        "checkpoint.init_from": os.path.join(stage1, "checkpoints"), "train.steps": 1}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialised weights from" in proc.stdout + proc.stderr
