@@ -231,6 +231,10 @@ class MoE(nn.Module):
             expert_axis = None  # no mesh, a batch (init's dummy) that does not split: all local
         metas = self._expert_metas()
         if manual:
+            # Delayed fp8 state is stored whole ([E, ...], replicated): this device's experts'
+            # rows; their amax observations come back in those rows (zero elsewhere).
+            start = lax.axis_index(manual_axis) * e
+            metas = jax.tree.map(lambda m: lax.dynamic_slice_in_dim(m, start, e), metas)
             routed_BSD = self._exchange(manual_axis, x, experts_BSK, weights_BSK, w_gate, w_up,
                                         w_down, metas)
         elif expert_axis is None:
