@@ -185,3 +185,21 @@ def test_stage_1_trains_the_projector_alone_and_stage_2_starts_from_it(vl_data, 
         "checkpoint.init_from": os.path.join(stage1, "checkpoints"), "train.steps": 1}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "initialised weights from" in proc.stdout + proc.stderr
+
+
+def test_a_vision_model_trains_with_every_recipe_feature_at_once(vl_data, tmp_path):
+    """h100_fp8.py:smoke's feature set (1f1b on (2, 2, 2), fp8, selective recomputation, 1-bit
+    Adam, adaptive batch with accumulation) with a vision tower on the mixed corpus."""
+    workdir = str(tmp_path / "run")
+    flags = {**VISION, "model.hidden_size": 128, "model.num_kv_heads": 4, "model.mlp_dim": 256,
+             "model.vocab_size": 512, "data.seq_len": 48, "train.steps": 6,
+             "train.log_every": 1, "train.sample_tokens": 0, "optim.freeze_step": 2,
+             "optim.refresh_every": 3, "checkpoint.every": 0, "data.source": "prepared",
+             "data.path": vl_data, "data.mix": MIX, "metrics.profile_every": 0}
+    proc = run_launch(workdir, flags, config="configs/h100_fp8.py:smoke", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_records(workdir)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(np.isfinite(r["loss"]) and r["images_per_sec"] > 0 for r in records)
+    assert {r["onebit_compressed"] for r in records} == {0, 1}  # exact, then 1-bit steps
+    assert records[-1]["batch_size"] > records[0]["batch_size"]  # the adaptive batch grew

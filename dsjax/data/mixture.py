@@ -101,14 +101,15 @@ def open_source(split_dir: str, seq_len: int, tokens_per_image: int, max_images:
 
 def _open_all(paths_by_name: Mapping[str, str], seq_len, tokens_per_image, max_images,
               image_size) -> tuple[dict, Callable]:
-    """The sources, and the function that gives a text example empty image slots if needed."""
+    """The sources, and the function that gives a text example empty image slots when the model
+    reads images (`image_size` > 0) or another source has them."""
     sources = {name: open_source(path, seq_len, tokens_per_image, max_images, image_size)
                for name, path in paths_by_name.items()}
     tokenizers = {name: s.meta["tokenizer"] for name, s in sources.items()}
     if len(set(tokenizers.values())) > 1:
         raise DataError(f"data mix: sources use different tokenizers {tokenizers}")
-    if not any(isinstance(s, MultimodalSource) for s in sources.values()):
-        return sources, lambda example: example
+    if not image_size and not any(isinstance(s, MultimodalSource) for s in sources.values()):
+        return sources, lambda example: example  # a text model on text: no image slots
 
     def pad(example):
         if "pixels" not in example:
