@@ -31,7 +31,7 @@ import os
 import numpy as np
 
 from dsjax.errors import DataError
-from dsjax.data.shards import META, _save_npy, token_dtype, write_meta
+from dsjax.data.shards import META, _save_npy, read_meta, token_dtype, write_meta
 
 FORMAT = "dsjax-multimodal-v1"
 MODALITIES = ("text", "image", "video")
@@ -149,23 +149,9 @@ class MultimodalWriter:
 
 def read_mm_meta(split_dir: str) -> dict:
     """Parses and checks meta.json of a multimodal split directory."""
-    path = os.path.join(split_dir, META)
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: missing; {split_dir} is not a prepared split (run `python -m "
-                        "dsjax.data.prepare --format multimodal`, or it was interrupted)")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise DataError(f"{path}: format is {found!r}, expected {FORMAT!r}")
-    for key in ("vocab_size", "dtype", "image_token_id", "frame_token_id", "image_size",
-                "shards"):
-        if key not in meta:
-            raise DataError(f"{path}: missing key {key!r}")
-    return meta
+    return read_meta(split_dir, FORMAT, ("vocab_size", "dtype", "image_token_id",
+                                         "frame_token_id", "image_size", "shards"),
+                     "python -m dsjax.data.prepare --format multimodal")
 
 
 def is_multimodal(split_dir: str) -> bool:

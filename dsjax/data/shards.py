@@ -139,23 +139,26 @@ def write_meta(out_dir: str, meta: dict) -> dict:
     return meta
 
 
-def read_meta(split_dir: str) -> dict:
-    """Parses and checks meta.json of a split directory."""
+def read_meta(split_dir: str, fmt: str = FORMAT,
+              keys: tuple[str, ...] = ("vocab_size", "dtype", "num_tokens", "shards"),
+              how: str = "python -m dsjax.data.prepare") -> dict:
+    """Parses and checks meta.json of a split directory of format `fmt`, which must have `keys`;
+    `how`: the command that writes such a split (named in the error)."""
     path = os.path.join(split_dir, META)
     if not os.path.isdir(split_dir):
         raise DataError(f"{split_dir}: data split directory not found")
     if not os.path.isfile(path):
         raise DataError(f"{path}: missing; {split_dir} is not a prepared split "
-                        "(run `python -m dsjax.data.prepare`, or an earlier run was interrupted)")
+                        f"(run `{how}`, or an earlier run was interrupted)")
     try:
         with open(path) as f:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise DataError(f"{path}: format is {found!r}, expected {FORMAT!r}")
-    for key in ("vocab_size", "dtype", "num_tokens", "shards"):
+        raise DataError(f"{path}: format is {found!r}, expected {fmt!r}")
+    for key in keys:
         if key not in meta:
             raise DataError(f"{path}: missing key {key!r}")
     return meta
