@@ -9,10 +9,13 @@ import os
 import jax
 import numpy as np
 import pytest
+import torch
+from transformers import DeepseekVLForConditionalGeneration
 
 from conftest import FLAT_MESH, TINY_FLAGS, random_batch, read_records, run_launch
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
+from dsjax import convert
 from dsjax import pipeline, sharding
 from dsjax.data import mixed_stream
 from dsjax.data.mm_prepare import prepare_multimodal
@@ -64,6 +67,26 @@ def test_a_vision_language_model_trains_and_reports_loss_per_source(vl_data, tmp
     assert all(np.isfinite(v) and v > 0 for v in by_source.values())
     # The overall loss is a token-weighted mean of the sources': between their extremes.
     assert min(by_source.values()) <= summary["eval_loss"] <= max(by_source.values())
+
+    # The trained run exports to Hugging Face, and transformers computes its logits.
+    out = str(tmp_path / "hf")
+    assert convert.main(["orbax-to-hf", "--checkpoint", workdir, "--out", out]) == 0
+    hf = DeepseekVLForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg = config_lib.load("configs/cpu_tiny.py", _flags(vl_data))
+    trainer = build_trainer(cfg)
+    params = jax.device_get(ckpt.restore_params(os.path.join(workdir, "checkpoints"),
+                                                trainer.abstract_state().params, cfg.model))
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 256, (1, 24)).astype(np.int32)
+    tokens[0, 3:7] = tokens[0, 12:16] = 257  # two images of 4 tokens
+    pixels = rng.integers(0, 256, (1, 2, 16, 16, 3), dtype=np.uint8)
+    ours = trainer.eval_model.apply({"params": params}, tokens, pixels_BMHWC=pixels,
+                                    image_mask_BM=np.ones((1, 2), bool))
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(tokens, dtype=torch.long), pixel_values=torch.tensor(
+            (pixels[0].astype(np.float32) / 255 - 0.5) / 0.5).permute(0, 3, 1, 2)).logits
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4, rtol=1e-4)
 
 
 def test_frozen_groups_do_not_change_bit_for_bit_over_a_step(vl_data):

@@ -32,9 +32,8 @@ from dsjax.convert.vision_rules import (DIM_NAMES as VISION_DIM_NAMES, TOWER_HEA
                                         tower_leaf_shapes, vision_plan, vl_leaf_shapes,
                                         vl_tensor_plan)
 from dsjax.errors import ConvertError, unknown_choice
+from dsjax.model.vision import SPEC_FILE as VISION_SPEC_FILE
 from dsjax.model.vision import VisionSpec
-
-VISION_SPEC_FILE = "vision_spec.json"
 _TOWER_PREFIX = "vision_model."  # a tower saved inside a SiglipModel-style checkpoint
 
 
@@ -87,8 +86,7 @@ def vision_hf_to_orbax(hf_dir: str, out_dir: str, model_cfg: ModelConfig | None 
         save_params(out_dir, params, cfg)
     else:
         _save_tower(out_dir, params, spec)
-    with open(os.path.join(out_dir, VISION_SPEC_FILE), "w", encoding="utf-8") as f:
-        json.dump(dataclasses.asdict(spec), f, indent=2)
+    spec.save(out_dir)
     copied = copy_side_files([hf_dir], out_dir, {"config.json": HF_CONFIG_COPY,
                                                   **{n: n for n in SIDE_FILES}})
     log(f"wrote {out_dir} (step 0; also {', '.join([VISION_SPEC_FILE] + copied)})")

@@ -105,6 +105,9 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
                                      cfg.checkpoint.async_save, log=mx.log,
                                      train_layout=resume_lib.train_layout(cfg))
+    if trainer.model.vision is not None and jax.process_index() == 0:
+        # What dsjax.convert exports a vision model's checkpoint with (the meta holds the LM's).
+        trainer.model.vision.save(checkpointer.directory)
     # Before anything is allocated: the first step's program (compiled once, used by the run)
     # must fit in device memory.
     first = checkpointer.usable_step(allow_fallback) or 0

@@ -5,8 +5,8 @@ from dsjax.model.vision.features import image_features, insert_image_features, n
 from dsjax.model.vision.projector import (DownsampleMlp, MlpAligner, make_projector,
                                           pixel_unshuffle)
 from dsjax.model.vision.siglip import SiglipTower
-from dsjax.model.vision.spec import PROJECTORS, VisionSpec
+from dsjax.model.vision.spec import PROJECTORS, SPEC_FILE, VisionSpec
 
-__all__ = ["DownsampleMlp", "MlpAligner", "PROJECTORS", "SiglipTower", "VisionSpec",
+__all__ = ["DownsampleMlp", "MlpAligner", "PROJECTORS", "SPEC_FILE", "SiglipTower", "VisionSpec",
            "image_features", "insert_image_features", "make_projector", "normalise_pixels",
            "pixel_unshuffle"]

@@ -6,11 +6,18 @@ SigLIP's fixed constants."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 from dsjax.config.sections import PROJECTORS, tokens_per_image
 # The tower's fields (`SiglipTower`), in its order.
 TOWER_FIELDS = ("image_size", "patch_size", "num_channels", "hidden_size", "num_layers",
                 "num_heads", "mlp_dim", "norm_eps", "gelu_tanh", "init_std")
+
+
+# A checkpoint directory of a vision model holds its VisionSpec in this file, beside the steps
+# (the Orbax meta holds the language model's config only); dsjax.convert exports from it.
+SPEC_FILE = "vision_spec.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +54,10 @@ class VisionSpec:
 
     def tower_fields(self) -> dict:
         return {name: getattr(self, name) for name in TOWER_FIELDS}
+
+    def save(self, directory: str) -> None:
+        """Writes SPEC_FILE into `directory` (atomically)."""
+        path = os.path.join(directory, SPEC_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
