@@ -34,13 +34,21 @@ class MaxTextError(RuntimeError):
     """MaxText could not be installed or run; the message says which and how to fix it."""
 
 
+def _runs_312(path: str) -> bool:
+    """Whether `path` starts and is Python 3.12: a pyenv shim on PATH exists for every version
+    pyenv has, and fails unless that version is the active one."""
+    out = subprocess.run([path, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
+                         capture_output=True, text=True, check=False)
+    return out.returncode == 0 and out.stdout.strip() == "True"
+
+
 def find_python312(explicit: str | None = None) -> str:
     """A Python 3.12 interpreter: `explicit`, else python3.12 on PATH, else pyenv's."""
     candidates = [explicit] if explicit else (
         [shutil.which("python3.12")]
         + sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12"))))
     for path in candidates:
-        if path and os.path.exists(path):
+        if path and os.path.exists(path) and _runs_312(path):
             return path
     raise MaxTextError("MaxText needs Python 3.12 and none was found (python3.12 on PATH, or "
                        "~/.pyenv/versions/3.12*): pass --maxtext-python /path/to/python3.12")
