@@ -250,12 +250,17 @@ PROJECTORS = ("mlp", "downsample_mlp")  # DeepSeek-VL's aligner | VL2's downsamp
 TRAINABLE_GROUPS = ("vision", "projector", "lm")
 
 
-def tokens_per_image(image_size: int, patch_size: int, projector: str) -> int:
-    """Decoder positions one image (or video frame) takes: its patches, or with downsample_mlp
-    its 2 x 2 groups of patches (an odd grid padded, as DeepSeek-VL2 does)."""
+def view_side(image_size: int, patch_size: int, projector: str) -> int:
+    """Feature rows per side of one view (an image, a video frame or a tile) after the projector:
+    its patches, or with downsample_mlp its 2 x 2 groups of patches (an odd grid padded, as
+    DeepSeek-VL2 does)."""
     side = image_size // patch_size
-    side = side if projector == "mlp" else -(-side // 2)
-    return side * side
+    return side if projector == "mlp" else -(-side // 2)
+
+
+def tokens_per_image(image_size: int, patch_size: int, projector: str) -> int:
+    """Decoder positions one view takes without tiling (the square of `view_side`)."""
+    return view_side(image_size, patch_size, projector) ** 2
 
 
 def trainable_groups(trainable: str) -> tuple[str, ...]:
@@ -289,7 +294,13 @@ class VisionConfig:
     projector: str = "mlp"  # mlp (DeepSeek-VL: Linear, GELU, Linear) | downsample_mlp
                             # (DeepSeek-VL2: 2x2 pixel-unshuffle, then the MLP; 4x fewer tokens;
                             # an odd patch grid is zero-padded)
-    max_images: int = 4  # image slots per row: images and video frames a row may hold
+    max_images: int = 4  # view slots per row: images and video frames a row may hold (with
+                         # tiling, each global view and each tile takes a slot)
+    # DeepSeek-VL2's dynamic tiling: a global view plus up to max_tiles local tiles per image,
+    # on the best-fitting grid, with learned row-newline and view-separator embeddings. The
+    # split must be prepared with the same --max_tiles (docs/multimodal.md, "Tiling").
+    tiling: bool = False
+    max_tiles: int = 9  # local tiles per image at most (VL2: 9, grids up to 3 x 3)
     # The placeholder and frame-separator ids: `python -m dsjax.data.prepare` gives them the
     # first ids after the text tokenizer's (byte: 257, 258) and records them in the split; a
     # split whose ids differ from these is refused.
