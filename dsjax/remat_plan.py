@@ -74,7 +74,8 @@ def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
                                      sharding=bs)
              for k in BATCH_KEYS}
-    for k, (dims, dtype) in media_layout(cfg.vision).items():  # a vision model's pixels
+    # a vision model's pixels
+    for k, (dims, dtype) in media_layout(cfg.vision, cfg.data.seq_len).items():
         batch[k] = jax.ShapeDtypeStruct((shape[0], *dims), dtype, sharding=bs)
     grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, ModelLoss(model), b)[0])
     with sharding.activate(mesh, rules):

@@ -205,7 +205,12 @@ def validate_vision(cfg: Config) -> None:
     one_of("vision.tower", v.tower, VISION_TOWERS, "tower")
     one_of("vision.projector", v.projector, PROJECTORS, "projector")
     _bounds("vision", v, positive="image_size patch_size hidden_size num_layers num_heads "
-            "mlp_dim norm_eps max_images")
+            "mlp_dim norm_eps max_images max_tiles")
+    if v.tiling and not v.enabled:
+        raise ConfigError("vision.tiling: needs a vision.tower (it tiles the tower's input)")
+    if v.tiling and v.max_images < 2:
+        raise ConfigError(f"vision.max_images: {v.max_images} view slots cannot hold a tiled "
+                          f"image (a global view and at least one tile); use >= 2")
     if v.image_size % v.patch_size:
         raise ConfigError(f"vision.image_size: {v.image_size} is not a multiple of "
                           f"vision.patch_size {v.patch_size}")

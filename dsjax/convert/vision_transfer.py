@@ -125,6 +125,10 @@ def vision_orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
         spec = VisionSpec(**read_json(found[VISION_SPEC_FILE]))
     except (TypeError, ValueError) as e:
         raise ConvertError(f"{found[VISION_SPEC_FILE]}: not a VisionSpec ({e})") from None
+    if spec.tiling:
+        raise ConvertError(f"{found[VISION_SPEC_FILE]}: the model uses DeepSeek-VL2 tiling "
+                           "(row-newline and view-separator rows), which transformers has no "
+                           "class for; export supports DeepSeek-VL (vision.tiling=False) only")
     template = read_json(found[HF_CONFIG_COPY]) if found[HF_CONFIG_COPY] else None
     meta, why = read_meta(manager, step)
     if why is not None:

@@ -53,4 +53,5 @@ def vision_spec(cfg: Config) -> VisionSpec | None:
                       hidden_size=v.hidden_size, num_layers=v.num_layers,
                       num_heads=v.num_heads, mlp_dim=v.mlp_dim,
                       image_token_id=v.image_token_id, frame_token_id=v.frame_token_id,
-                      projector=v.projector, norm_eps=v.norm_eps, init_std=cfg.model.init_std)
+                      projector=v.projector, norm_eps=v.norm_eps, init_std=cfg.model.init_std,
+                      tiling=v.tiling)

@@ -23,8 +23,7 @@ from dsjax.model.layers import (ROUTED_EXPERTS, Attention, RMSNorm, SwiGLU, _par
                                 prepare_fp8_weights, rms_norm)
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
-from dsjax.model.vision import (SiglipTower, VisionSpec, image_features, insert_image_features,
-                                make_projector)
+from dsjax.model.vision import SiglipTower, VisionSpec, make_projector, with_image_features
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
@@ -207,8 +206,8 @@ class Transformer(nn.Module):
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
                  segment_ids_BS: jax.Array | None = None, targets_BS: jax.Array | None = None,
                  weights_BS: jax.Array | None = None, head_inputs: bool = False,
-                 pixels_BMHWC: jax.Array | None = None, image_mask_BM: jax.Array | None = None
-                 ) -> Any:
+                 pixels_BMHWC: jax.Array | None = None, image_mask_BM: jax.Array | None = None,
+                 feature_index_BS: jax.Array | None = None) -> Any:
         """Logits [B, S, V]; with `head_inputs`, (final-normed x [B, S, D], head [D, V]) instead,
         for a loss that applies the head itself (`loss.head_nll`). With targets and weights
         (training), MTP modules also run; MoE and MTP models sow their auxiliary terms into the
@@ -224,7 +223,8 @@ class Transformer(nn.Module):
                               ("vocab", "embed"), cfg.init_std)
         x_BSD = embed_tokens(embedding_VD, tokens_BS, self.dtype)
         if self.vision is not None:
-            x_BSD = self._with_images(x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM)
+            x_BSD = self._with_images(x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM,
+                                      feature_index_BS)
 
         moe_stats = []  # per segment of MoE layers: {"load": [l, E], "balance": [l]}
         for name, lo, hi, moe in self._stacks():
@@ -264,7 +264,7 @@ class Transformer(nn.Module):
             return x_BSD, head_DV
         return output_logits(x_BSD, head_DV, self.dtype)
 
-    def _with_images(self, x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM):
+    def _with_images(self, x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM, feature_index_BS):
         """x with the projected image features at the placeholder tokens; x as it is without
         pixels (the vision params are still created at init, so one layout serves both)."""
         spec = self.vision
@@ -275,8 +275,9 @@ class Transformer(nn.Module):
                 side, C = spec.image_size, spec.num_channels
                 projector(tower(jnp.zeros((1, side, side, C), self.dtype)))
             return x_BSD
-        feats_BQD = image_features(lambda x: projector(tower(x)), pixels_BMHWC, image_mask_BM)
-        return insert_image_features(x_BSD, tokens_BS, feats_BQD, spec.image_token_id)
+        return with_image_features(x_BSD, tokens_BS, spec, lambda x: projector(tower(x)),
+                                   lambda: projector.variables["params"], pixels_BMHWC,
+                                   image_mask_BM, feature_index_BS)
 
     def _mtp(self, h_BSD, embedding_VD, head_DV, tokens_BS, positions_BS, segment_ids_BS,
              targets_BS, weights_BS):

@@ -20,26 +20,34 @@ from dsjax.model.chunked_loss import chunked_cross_entropy, output_logits
 # The arrays of one batch, each [B, S] (or [k, B/k, S] with accumulation): tokens in, next
 # tokens out, packed-document ids, positions within a document, and per-target loss weights.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
-# A vision-language batch also has, per row, its image slots' raw pixels [M, H, W, C] (uint8)
-# and which slots hold an image [M] (bool); see `media_layout`.
-MEDIA_KEYS = ("pixels", "image_mask")
+# A vision-language batch also has, per row, its view slots' raw pixels [M, H, W, C] (uint8),
+# which slots hold one [M] (bool), and with tiling each input position's feature row [S] (int32);
+# see `media_layout`.
+MEDIA_KEYS = ("pixels", "image_mask", "feature_index")
 AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
 
 
-def media_layout(vision: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{key: (per-row dims, dtype)} of a batch's media arrays for a `VisionConfig`; {} for a text
-    model. Every row has `vision.max_images` slots (static shapes under jit)."""
+def media_layout(vision: Any, seq_len: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{key: (per-row dims, dtype)} of a batch's media arrays for a `VisionConfig` and rows of
+    `seq_len` inputs; {} for a text model. Every row has `vision.max_images` view slots (static
+    shapes under jit); tiling adds the feature row of each input position (dsjax.data.tiling)."""
     if not vision.enabled:
         return {}
     M, H = vision.max_images, vision.image_size
-    return {"pixels": ((M, H, H, 3), jnp.uint8), "image_mask": ((M,), jnp.bool_)}
+    layout = {"pixels": ((M, H, H, 3), jnp.uint8), "image_mask": ((M,), jnp.bool_)}
+    if vision.tiling:
+        layout["feature_index"] = ((seq_len,), jnp.int32)
+    return layout
 
 
 def media_args(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The model's keyword arguments for a batch's media arrays ({} for a text batch)."""
     if "pixels" not in batch:
         return {}
-    return {"pixels_BMHWC": batch["pixels"], "image_mask_BM": batch["image_mask"]}
+    args = {"pixels_BMHWC": batch["pixels"], "image_mask_BM": batch["image_mask"]}
+    if "feature_index" in batch:
+        args["feature_index_BS"] = batch["feature_index"]
+    return args
 
 
 def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,

@@ -23,8 +23,7 @@ from dsjax.model.decoder import FP8_ON, Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
 from dsjax.model import loss
 from dsjax.model.loss import MEDIA_KEYS
-from dsjax.model.vision import (SiglipTower, image_features, insert_image_features,
-                                make_projector)
+from dsjax.model.vision import SiglipTower, make_projector, with_image_features
 
 STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
 # The MTP modules' params: replicated over the stages, run with the head (`mtp_terms`).
@@ -238,15 +237,15 @@ def heavy_front(pipe: StagedModel) -> bool:
 
 def stage0_input(pipe: StagedModel, top: Any, mb: dict[str, jax.Array]) -> jax.Array:
     """Stage 0's input for microbatch arrays `mb` (inputs, positions, segment_ids; a vision
-    model's pixels and image_mask): the embedding with image features at the placeholders, then
-    a MoE model's dense prefix blocks (whose params, "layers", are replicated over the stages
-    like the embedding). [B, S] -> [B, S, D]."""
+    model's `MEDIA_KEYS`): the embedding with image features at the placeholders, then a MoE
+    model's dense prefix blocks (whose params, "layers", are replicated over the stages like the
+    embedding). [B, S] -> [B, S, D]."""
     model = pipe.model
     front = top if isinstance(top, dict) else {"embedding": top}
     tokens_BS = mb["inputs"]
     x_BSD = embed_tokens(front["embedding"], tokens_BS, model.dtype)
     if model.vision is not None:
-        x_BSD = _with_images(model, front, x_BSD, tokens_BS, mb["pixels"], mb["image_mask"])
+        x_BSD = _with_images(model, front, x_BSD, tokens_BS, mb)
     if not pipe.prefix:
         return x_BSD
     prefix = {"params": front["layers"]}
@@ -257,7 +256,7 @@ def stage0_input(pipe: StagedModel, top: Any, mb: dict[str, jax.Array]) -> jax.A
     return x_BSD
 
 
-def _with_images(model: Transformer, front: Any, x_BSD, tokens_BS, pixels_BMHWC, image_mask_BM):
+def _with_images(model: Transformer, front: Any, x_BSD, tokens_BS, mb):
     """x with the tower's projected image features at the placeholder tokens (the decoder's own
     `_with_images`, from the params held outside a bound module)."""
     spec = model.vision
@@ -267,8 +266,8 @@ def _with_images(model: Transformer, front: Any, x_BSD, tokens_BS, pixels_BMHWC,
     def encode(x_NHWC):
         f_NPV = tower.apply({"params": front["vision_tower"]}, x_NHWC)
         return projector.apply({"params": front["projector"]}, f_NPV)
-    feats_BQD = image_features(encode, pixels_BMHWC, image_mask_BM)
-    return insert_image_features(x_BSD, tokens_BS, feats_BQD, spec.image_token_id)
+    return with_image_features(x_BSD, tokens_BS, spec, encode, lambda: front["projector"],
+                               mb["pixels"], mb["image_mask"], mb.get("feature_index"))
 
 
 # The microbatch arrays stage 0's input reads.

@@ -116,7 +116,7 @@ class Trainer:
     @property
     def media(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         """The batch's media arrays (pixels, image_mask) beside the token arrays; {} for text."""
-        return media_layout(self.cfg.vision)
+        return media_layout(self.cfg.vision, self.cfg.data.seq_len)
 
     @functools.cached_property
     def _abstract_state(self) -> TrainState:
@@ -206,7 +206,7 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     else:
         init_fn = jax.jit(lambda rng: nn.unbox(init_boxed(rng)), out_shardings=state_shardings)
         phases = (train_step,)
-    batch_shardings = {k: sharding.batch_sharding(mesh)
-                       for k in BATCH_KEYS + tuple(media_layout(cfg.vision))}
+    media = media_layout(cfg.vision, cfg.data.seq_len)
+    batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS + tuple(media)}
     return Trainer(cfg, mesh, model, make_model(cfg, for_eval=True), rules, state_shardings,
                    batch_shardings, init_fn, count_params(abstract.params), tx, tuple(phases))

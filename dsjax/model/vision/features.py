@@ -5,14 +5,21 @@ Shapes are static: a row has M image slots whether or not they hold an image; `i
 says which do. The k-th placeholder token of a row takes the k-th feature row of that row's
 images, in slot order of the slots that hold one (HF `masked_scatter` order, per row).
 `insert_image_features` is a pure function, so a pipeline's first stage can call it too.
+
+With DeepSeek-VL2 tiling the order is the data pipeline's instead: `insert_tiled_features` takes
+each placeholder's row of a table of all slots' features followed by the learned newline and
+separator rows, at the index the batch's `feature_index` gives (dsjax.data.tiling).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dsjax.model.vision.projector import TILE_ROWS
 
 # SigLIP's preprocessing: x / 255, then (x - mean) / std with mean = std = 0.5 per channel.
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
@@ -49,3 +56,38 @@ def insert_image_features(x_BSD: jax.Array, tokens_BS: jax.Array, feats_BQD: jax
     k_BS = jnp.clip(jnp.cumsum(is_image_BS, axis=1) - 1, 0, feats_BQD.shape[1] - 1)
     picked_BSD = jnp.take_along_axis(feats_BQD, k_BS[:, :, None], axis=1)
     return jnp.where(is_image_BS[:, :, None], picked_BSD.astype(x_BSD.dtype), x_BSD)
+
+
+def insert_tiled_features(x_BSD: jax.Array, tokens_BS: jax.Array, feats_BQD: jax.Array,
+                          rows_RD: jax.Array, feature_index_BS: jax.Array,
+                          image_token_id: int) -> jax.Array:
+    """x with the embedding at every placeholder replaced by row feature_index[b, s] of
+    [feats[b] (slot after slot, unreordered); rows (newline, separator)]. Indices are clipped to
+    the table (static shapes); non-placeholder positions keep x."""
+    B, Q, D = feats_BQD.shape
+    table_BTD = jnp.concatenate(
+        [feats_BQD, jnp.broadcast_to(rows_RD.astype(feats_BQD.dtype), (B, *rows_RD.shape))],
+        axis=1)
+    index_BS = jnp.clip(feature_index_BS, 0, table_BTD.shape[1] - 1)
+    picked_BSD = jnp.take_along_axis(table_BTD, index_BS[:, :, None], axis=1)
+    is_image_BS = tokens_BS == image_token_id
+    return jnp.where(is_image_BS[:, :, None], picked_BSD.astype(x_BSD.dtype), x_BSD)
+
+
+def with_image_features(x_BSD: jax.Array, tokens_BS: jax.Array, spec: Any,
+                        encode: Callable[[jax.Array], jax.Array], projector_params: Any,
+                        pixels_BMHWC: jax.Array, image_mask_BM: jax.Array,
+                        feature_index_BS: jax.Array | None = None) -> jax.Array:
+    """x with the projected features of a batch's views at its placeholders, in the order the
+    `VisionSpec` `spec` implies: slot order, or with tiling the batch's `feature_index` into the
+    slots' features and the projector's tile rows (`projector_params`, read after `encode`)."""
+    if not spec.tiling:
+        feats_BQD = image_features(encode, pixels_BMHWC, image_mask_BM)
+        return insert_image_features(x_BSD, tokens_BS, feats_BQD, spec.image_token_id)
+    if feature_index_BS is None:
+        raise ValueError("a tiling vision model needs the batch's feature_index (prepare the "
+                         "data with --max_tiles)")
+    feats_BQD = image_features(encode, pixels_BMHWC)
+    rows_RD = jnp.stack([nn.unbox(projector_params()[name]) for name in TILE_ROWS])
+    return insert_tiled_features(x_BSD, tokens_BS, feats_BQD, rows_RD, feature_index_BS,
+                                 spec.image_token_id)

@@ -5,7 +5,9 @@
                   (4 neighbours concatenated in `F.unfold`'s channel order), then the same MLP
                   on 4 Dv features, P' = P / 4
 The hidden width is D; it carries the "vision_mlp" axis, so tensor parallelism splits the pair
-Megatron-style (column then row).
+Megatron-style (column then row). With DeepSeek-VL2 tiling the projector also holds the learned
+row-newline and view-separator rows [D] (`TILE_ROWS`), which `features.insert_tiled_features`
+places between feature rows.
 """
 
 from __future__ import annotations
@@ -37,10 +39,19 @@ def pixel_unshuffle(x_BPD: jax.Array) -> jax.Array:
     return x.reshape(B, s * s, 4 * D)
 
 
+# The tiling rows, in the order `dsjax.data.tiling` indexes them after the views' features.
+TILE_ROWS = ("image_newline", "view_separator")
+
+
 def _mlp(module: nn.Module, x_BPE: jax.Array) -> jax.Array:
     """Linear -> GELU (exact erf, torch's nn.GELU()) -> Linear, with biases: [B, P, E] -> [B, P, D]
-    in `module`'s params."""
+    in `module`'s params; with tiling, also creates the `TILE_ROWS` params (VL2 draws them
+    from N(0, 1/D))."""
     E, D, dt = x_BPE.shape[-1], module.out_dim, module.dtype
+    if module.tiling:
+        for name in TILE_ROWS:
+            module.param(name, nn.with_logical_partitioning(nn.initializers.normal(D ** -0.5),
+                                                            ("embed",)), (D,), jnp.float32)
     w1 = _weight(module, "linear1", (E, D), ("vision_embed", "vision_mlp"), module.init_std)
     w2 = _weight(module, "linear2", (D, D), ("vision_mlp", "embed"), module.init_std)
     h_BPF = (jnp.einsum("BPE,EF->BPF", x_BPE.astype(dt), w1.astype(dt))
@@ -55,6 +66,7 @@ class MlpAligner(nn.Module):
     out_dim: int
     init_std: float = 0.02
     dtype: Any = jnp.float32
+    tiling: bool = False
 
     @nn.compact
     def __call__(self, x_BPE: jax.Array) -> jax.Array:
@@ -67,6 +79,7 @@ class DownsampleMlp(nn.Module):
     out_dim: int
     init_std: float = 0.02
     dtype: Any = jnp.float32
+    tiling: bool = False
 
     @nn.compact
     def __call__(self, x_BPE: jax.Array) -> jax.Array:
@@ -78,4 +91,5 @@ PROJECTOR_MODULES = {"mlp": MlpAligner, "downsample_mlp": DownsampleMlp}
 
 def make_projector(spec: VisionSpec, out_dim: int, dtype: Any, name: str) -> nn.Module:
     """The projector `spec.projector` names, projecting to width `out_dim`."""
-    return PROJECTOR_MODULES[spec.projector](out_dim, spec.init_std, dtype, name=name)
+    return PROJECTOR_MODULES[spec.projector](out_dim, spec.init_std, dtype, spec.tiling,
+                                             name=name)

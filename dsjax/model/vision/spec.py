@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 
-from dsjax.config.sections import PROJECTORS, tokens_per_image
+from dsjax.config.sections import PROJECTORS, tokens_per_image, view_side
 # The tower's fields (`SiglipTower`), in its order.
 TOWER_FIELDS = ("image_size", "patch_size", "num_channels", "hidden_size", "num_layers",
                 "num_heads", "mlp_dim", "norm_eps", "gelu_tanh", "init_std")
@@ -35,6 +35,7 @@ class VisionSpec:
     norm_eps: float = 1e-6  # tower LayerNorm epsilon (SigLIP: 1e-6)
     gelu_tanh: bool = True  # tower MLP GELU: tanh approximation (gelu_pytorch_tanh) or exact
     init_std: float = 0.02  # normal init std of every tower and projector matrix
+    tiling: bool = False  # DeepSeek-VL2 tiling: learned row-newline and view-separator rows
 
     def __post_init__(self):
         if self.projector not in PROJECTORS:
@@ -46,6 +47,11 @@ class VisionSpec:
     def grid(self) -> int:
         """Patches per image side."""
         return self.image_size // self.patch_size
+
+    @property
+    def side(self) -> int:
+        """Feature rows per view side after the projector."""
+        return view_side(self.image_size, self.patch_size, self.projector)
 
     @property
     def tokens_per_image(self) -> int:
