@@ -11,8 +11,8 @@ single-source stream. Proportions are therefore exact per block (to 1 / BLOCK), 
 average, and no sample index depends on the ones read before it.
 
 Text splits (`shards`) and multimodal splits (`mm_shards`) mix alike: when any source is
-multimodal, every example carries pixels and image_mask, zeros and all-False for text rows, so
-all rows have the same keys and shapes.
+multimodal, every example carries pixels and image_mask, zeros and all-False for text rows (and
+with tiling, `max_tiles` > 0, feature_index zeros), so all rows have the same keys and shapes.
 """
 
 from __future__ import annotations
@@ -92,18 +92,20 @@ class _MixedRows:
 
 
 def open_source(split_dir: str, seq_len: int, tokens_per_image: int, max_images: int,
-                image_size: int):
+                image_size: int, max_tiles: int = 0):
     """`MultimodalSource` for a multimodal split, `PackedSource` for a text split."""
     if is_multimodal(split_dir):
-        return MultimodalSource(split_dir, seq_len, tokens_per_image, max_images, image_size)
+        return MultimodalSource(split_dir, seq_len, tokens_per_image, max_images, image_size,
+                                max_tiles)
     return PackedSource(split_dir, seq_len)
 
 
 def _open_all(paths_by_name: Mapping[str, str], seq_len, tokens_per_image, max_images,
-              image_size) -> tuple[dict, Callable]:
-    """The sources, and the function that gives a text example empty image slots when the model
-    reads images (`image_size` > 0) or another source has them."""
-    sources = {name: open_source(path, seq_len, tokens_per_image, max_images, image_size)
+              image_size, max_tiles) -> tuple[dict, Callable]:
+    """The sources, and the function that gives a text example empty image slots (and, tiled,
+    feature indices) when the model reads images (`image_size` > 0) or another source has them."""
+    sources = {name: open_source(path, seq_len, tokens_per_image, max_images, image_size,
+                                 max_tiles)
                for name, path in paths_by_name.items()}
     tokenizers = {name: s.meta["tokenizer"] for name, s in sources.items()}
     if len(set(tokenizers.values())) > 1:
@@ -115,13 +117,16 @@ def _open_all(paths_by_name: Mapping[str, str], seq_len, tokens_per_image, max_i
         if "pixels" not in example:
             example["pixels"] = np.zeros((max_images, image_size, image_size, 3), np.uint8)
             example["image_mask"] = np.zeros(max_images, bool)
+            if max_tiles:
+                example["feature_index"] = np.zeros(seq_len, np.int32)
         return example
     return sources, pad
 
 
 def mixed_dataset(paths_by_name: Mapping[str, str], weights: Mapping[str, float] | str,
                   seq_len: int, seed: int, tokens_per_image: int = 1, max_images: int = 1,
-                  image_size: int = 0, process_index: int = 0, process_count: int = 1):
+                  image_size: int = 0, process_index: int = 0, process_count: int = 1,
+                  max_tiles: int = 0):
     """Infinite `grain.MapDataset` of this process's examples: mixed items p, p+P, ... ."""
     import grain  # pylint: disable=g-import-not-at-top
 
@@ -134,7 +139,7 @@ def mixed_dataset(paths_by_name: Mapping[str, str], weights: Mapping[str, float]
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     names = list(weights)
     sources, pad = _open_all({n: paths_by_name[n] for n in names}, seq_len, tokens_per_image,
-                             max_images, image_size)
+                             max_images, image_size, max_tiles)
     streams = []
     for k, name in enumerate(names):
         # Each source's own seed, so adding a source does not reshuffle the others.
@@ -149,25 +154,26 @@ def mixed_dataset(paths_by_name: Mapping[str, str], weights: Mapping[str, float]
 def mixed_stream(paths_by_name: Mapping[str, str], weights: Mapping[str, float] | str,
                  seq_len: int, seed: int, tokens_per_image: int = 1, max_images: int = 1,
                  image_size: int = 0, process_index: int = 0, process_count: int = 1,
-                 prefetch: int = 2, prefetch_rows: int = 64) -> SampleStream:
+                 prefetch: int = 2, prefetch_rows: int = 64, max_tiles: int = 0) -> SampleStream:
     """The mixed training stream read by a global sample cursor (take / get_state / set_state).
 
-    `paths_by_name`: prepared split directories (text or multimodal); `image_size`: the model's,
-    checked against every multimodal split.
+    `paths_by_name`: prepared split directories (text or multimodal); `image_size` and
+    `max_tiles` (0: untiled): the model's, checked against every multimodal split.
     """
     ds = mixed_dataset(paths_by_name, weights, seq_len, seed, tokens_per_image, max_images,
-                       image_size, process_index, process_count)
+                       image_size, process_index, process_count, max_tiles)
     return SampleStream.over(ds, process_count, prefetch, prefetch_rows)
 
 
 def mixed_eval_batches(paths_by_name: Mapping[str, str], seq_len: int, batch: int,
                        max_batches: int, tokens_per_image: int = 1, max_images: int = 1,
-                       image_size: int = 0) -> dict[str, list[dict]]:
+                       image_size: int = 0, max_tiles: int = 0) -> dict[str, list[dict]]:
     """Per source, its held-out split's first rows in order as up to `max_batches` full batches
     (deterministic), all with the same keys, so eval loss can be reported per source."""
     if batch < 1 or max_batches < 1:
         raise ValueError(f"batch and max_batches must be >= 1, got {batch}, {max_batches}")
-    sources, pad = _open_all(paths_by_name, seq_len, tokens_per_image, max_images, image_size)
+    sources, pad = _open_all(paths_by_name, seq_len, tokens_per_image, max_images, image_size,
+                             max_tiles)
     out = {}
     for name, source in sources.items():
         num_batches = min(max_batches, len(source) // batch)

@@ -2,6 +2,10 @@
 
   python -m dsjax.data.prepare --format multimodal --input data.jsonl --image_size 384 --out mm/
 
+With `--max_tiles N` (DeepSeek-VL2's dynamic tiling, `vision.tiling`) every image is stored as its
+global view plus the tiles of its best grid of at most N tiles, and each video frame as a padded
+global view (`media.load_image_views`); the split records N and each image's grid (`mm_shards`).
+
 Records: {"text"}; {"text", "images": [paths]} with one "<image>" per image in the text
 (interleaved, or none and a single image, which then goes before the text); {"text", "video":
 path} with one "<video>" or none (the video then goes first). Relative paths resolve against the
@@ -23,8 +27,9 @@ import numpy as np
 from dsjax.config.sections import DataConfig
 from dsjax.errors import DataError
 from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
-from dsjax.data.media import MediaError, load_image, load_video
+from dsjax.data.media import MediaError, load_image, load_image_views, load_video
 from dsjax.data.mm_shards import MultimodalWriter, special_ids
+from dsjax.data.tiling import FRAME_GRID
 from dsjax.data.tokenizers import load_tokenizer
 
 IMAGE = "<image>"
@@ -88,15 +93,28 @@ def iter_records(files: Sequence[str]) -> Iterator[Record]:
 
 
 def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
-                   max_frames: int) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids with placeholders, uint8 [n, size, size, 3] images); a MediaError names the
+                   max_frames: int, max_tiles: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(token ids with placeholders, uint8 [v, size, size, 3] views, grids): untiled one view per
+    placeholder and grids None; with `max_tiles` each image's global view and tiles and int64
+    [n, 2] grids (a video frame: its padded global view, grid (0, 0)). A MediaError names the
     record when a file cannot be decoded."""
     image_id, frame_id = special_ids(tokenizer.vocab_size)
+    grids = np.zeros((0, 2), np.int64) if max_tiles else None
     try:
         if record.video:
-            frames = load_video(record.video, image_size, video_fps, max_frames)
+            frames = load_video(record.video, image_size, video_fps, max_frames,
+                                pad=max_tiles > 0)
             media_ids = [np.array([image_id] + [frame_id, image_id] * (frames.shape[0] - 1))]
             pieces = record.text.split(VIDEO)
+            if max_tiles:
+                grids = np.tile(np.array(FRAME_GRID, np.int64), (frames.shape[0], 1))
+        elif max_tiles and record.images:
+            loaded = [load_image_views(p, image_size, max_tiles) for p in record.images]
+            frames = np.concatenate([views for views, _ in loaded])
+            grids = np.array([grid for _, grid in loaded], np.int64)
+            media_ids = [np.array([image_id])] * len(record.images)
+            pieces = record.text.split(IMAGE)
         else:
             frames = np.stack([load_image(p, image_size) for p in record.images]) if (
                 record.images) else np.zeros((0, image_size, image_size, 3), np.uint8)
@@ -109,13 +127,13 @@ def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
     parts = [tokenizer.encode(pieces[0])]
     for ids, piece in zip(media_ids, pieces[1:]):
         parts += [ids, tokenizer.encode(piece)]
-    return np.concatenate(parts).astype(np.int64), frames
+    return np.concatenate(parts).astype(np.int64), frames, grids
 
 
 def _decodes(record: Record, tokenizer, image_size: int, video_fps: float,
-             max_frames: int) -> bool:
+             max_frames: int, max_tiles: int) -> bool:
     try:
-        build_document(record, tokenizer, image_size, video_fps, max_frames)
+        build_document(record, tokenizer, image_size, video_fps, max_frames, max_tiles)
     except MediaError:
         return False
     return True
@@ -126,10 +144,11 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
                        max_frames: int = DataConfig.max_frames,
                        eval_fraction: float = 0.01, seed: int = 0, shard_tokens: int = 2**24,
                        shard_images: int = 1024, overwrite: bool = False,
-                       eval_inputs: Sequence[str] | str = ()) -> dict:
+                       eval_inputs: Sequence[str] | str = (), max_tiles: int = 0) -> dict:
     """Writes `out_dir/train` and `out_dir/eval` in the multimodal format. With `eval_inputs`,
     `inputs` all go to train and `eval_inputs` all to eval (a held-out set chosen by the data's
     author, e.g. by digit sample); without, each record goes by a seeded hash of its content.
+    `max_tiles` > 0 writes a tiled split (VL2 views and grids); 0 an untiled one.
 
     Returns {"train": meta, "eval": meta, "train_dir", "eval_dir", "skipped": ["file:line:
     reason", ...]} (records skipped for an undecodable image or video).
@@ -141,6 +160,8 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
     if video_fps <= 0 or max_frames < 1:
         raise DataError(f"--video_fps must be > 0 and --max_frames >= 1, got {video_fps}, "
                         f"{max_frames}")
+    if max_tiles < 0:
+        raise DataError(f"--max_tiles must be >= 0 (0: no tiling), got {max_tiles}")
     check_out_dir(out_dir, overwrite)
     if isinstance(inputs, str):
         inputs = [inputs]
@@ -168,7 +189,8 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
         # At least one held-out record whose media decode (a bad one is skipped in pass 2):
         # the lowest-scoring that does, when none of those the hash assigned does.
         records = list(iter_records(files))
-        decodes = lambda i: _decodes(records[i], tokenizer, image_size, video_fps, max_frames)
+        decodes = lambda i: _decodes(records[i], tokenizer, image_size, video_fps, max_frames,
+                                     max_tiles)
         if not any(decodes(i) for i in np.flatnonzero(to_eval)):
             good = next((i for i in np.argsort(scores) if i != np.argmax(scores) and decodes(i)),
                         None)
@@ -179,16 +201,18 @@ def prepare_multimodal(inputs: Sequence[str] | str, tokenizer_spec: str, out_dir
     dirs = {"train": os.path.join(out_dir, "train"), "eval": os.path.join(out_dir, "eval")}
     extra = {"video_fps": float(video_fps), "max_frames": int(max_frames)}
     writers = {split: MultimodalWriter(d, tokenizer, image_size, shard_tokens, shard_images,
-                                       extra) for split, d in dirs.items()}
+                                       extra, max_tiles) for split, d in dirs.items()}
     skipped, written = [], {"train": 0, "eval": 0}
     for i, record in enumerate(iter_records(files)):
         try:
-            ids, images = build_document(record, tokenizer, image_size, video_fps, max_frames)
+            ids, images, grids = build_document(record, tokenizer, image_size, video_fps,
+                                                max_frames, max_tiles)
         except MediaError as e:
             skipped.append(str(e))
             continue
         split = "eval" if to_eval[i] else "train"
-        writers[split].add(ids, images, record.modality, len(record.text.encode("utf-8")))
+        writers[split].add(ids, images, record.modality, len(record.text.encode("utf-8")),
+                           grids)
         written[split] += 1
     if not any(written.values()):
         raise DataError(f"every one of {to_eval.size} records was skipped; first: {skipped[0]}")

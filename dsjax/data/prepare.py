@@ -137,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="multimodal: frames kept per video")
     parser.add_argument("--shard_images", type=int, default=1024,
                         help="multimodal: images per shard file")
+    parser.add_argument("--max_tiles", type=int, default=0,
+                        help="multimodal: DeepSeek-VL2 tiling, a global view plus up to N tiles "
+                        "per image (the model's vision.max_tiles with vision.tiling); 0: none")
     parser.add_argument("--eval_input", action="append", default=[],
                         help="multimodal: files whose records all go to eval (then every --input "
                              "record goes to train; --eval_fraction is unused)")
@@ -150,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = prepare_multimodal(args.input, args.tokenizer, args.out, args.image_size,
                                         args.video_fps, args.max_frames, args.eval_fraction,
                                         args.seed, args.shard_tokens, args.shard_images,
-                                        args.overwrite, args.eval_input)
+                                        args.overwrite, args.eval_input, args.max_tiles)
         else:
             result = prepare(args.input, args.format, args.tokenizer, args.out,
                              args.eval_fraction, args.seed, args.jsonl_field,

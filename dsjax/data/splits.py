@@ -28,6 +28,11 @@ class Splits:
         return bool(self.sources)
 
 
+def prepared_max_tiles(cfg: Config) -> int:
+    """The --max_tiles this config's multimodal splits are prepared (and read) with: 0 untiled."""
+    return cfg.vision.max_tiles if cfg.vision.tiling else 0
+
+
 def vl_root(cfg: Config, workdir: str) -> str:
     """Where data.source='vl_corpus' builds its sources (data.path, or WORKDIR/data/vl)."""
     return cfg.data.path or os.path.join(workdir, "data", "vl")
@@ -79,8 +84,8 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
     if cfg.data.source == "vl_corpus":
         root = vl_root(cfg, workdir)
         built = _one_writer(lambda: build_vl_sources(
-            root, cfg.vision.image_size, cfg.data.video_fps, cfg.data.max_frames),
-            "dsjax vl corpus")
+            root, cfg.vision.image_size, cfg.data.video_fps, cfg.data.max_frames,
+            max_tiles=prepared_max_tiles(cfg)), "dsjax vl corpus")
         return Splits("", "", "byte", tuple((name, *built[name])
                                             for name in mix_weights(cfg.data.mix)))
     if cfg.data.mix:
@@ -99,9 +104,9 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
 
 
 def media_reading(cfg: Config, vision: Any) -> dict[str, int]:
-    """How multimodal splits are read for the model: image tokens per image (the model's
-    `VisionSpec`), image slots per row, image side; {} for a text model."""
+    """How multimodal splits are read for the model: image tokens per view (the model's
+    `VisionSpec`), view slots per row, image side, max_tiles (0: untiled); {} for a text model."""
     if vision is None:
         return {}
     return {"tokens_per_image": vision.tokens_per_image, "max_images": cfg.vision.max_images,
-            "image_size": cfg.vision.image_size}
+            "image_size": cfg.vision.image_size, "max_tiles": prepared_max_tiles(cfg)}

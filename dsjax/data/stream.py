@@ -11,8 +11,9 @@ never changes which examples a step sees. The whole state is the cursor, a tiny 
 Batch keys, each [batch, seq_len]: inputs, targets (int32), segment_ids, positions (int32; the
 attention mask and RoPE use them), weights (float32; 0 where the target starts a new document).
 Multimodal rows (`mm_pack`) add pixels [batch, max_images, size, size, 3] uint8 and image_mask
-[batch, max_images] bool, and their weights are also 0 where the target is an image placeholder,
-a frame separator or padding. Mixed streams (`mixture`) build on `SampleStream.over`.
+[batch, max_images] bool (with tiling also feature_index [batch, seq_len] int32, aligned with the
+inputs), and their weights are also 0 where the target is an image placeholder, a frame separator
+or padding. Mixed streams (`mixture`) build on `SampleStream.over`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def make_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One packed row of seq_len + 1 tokens -> next-token example of seq_len positions.
 
     A row with "target_mask" [seq_len + 1] (multimodal) also zeroes the weights where the target
-    is masked, and passes its "pixels" and "image_mask" through.
+    is masked, and passes its "pixels" and "image_mask" through; a tiled row's "feature_index"
+    [seq_len + 1] is cut to the inputs' positions.
     """
     tokens, seg = row["tokens"], row["segment_ids"]
     seq_len = tokens.shape[-1] - 1
@@ -51,6 +53,8 @@ def make_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for key in ("pixels", "image_mask"):
         if key in row:
             example[key] = row[key]
+    if "feature_index" in row:
+        example["feature_index"] = row["feature_index"][:-1].astype(np.int32)
     return example
 
 
