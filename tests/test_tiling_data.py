@@ -415,6 +415,9 @@ def test_caption_batch_expands_tiled_images_like_packing():
     # Untiled, the same call has no feature_index.
     assert "feature_index" not in grounding.caption_batch(
         [(np.array([IMG, 97]), views[:1])], 24, P, 4, IMG, FRAME, EOS)
+    with pytest.raises(ValueError, match="needs the grid of every image"):
+        grounding.caption_batch([(np.array([IMG, 97]), views)], 24, P, 4, IMG, FRAME, EOS,
+                                max_tiles=4)
     with pytest.raises(DataError, match="4 view slots"):
         grounding.caption_batch([(np.array([IMG, IMG]), np.zeros((6, 8, 8, 3), np.uint8),
                                   np.array([[1, 2], [1, 1]]))], 64, P, 4, IMG, FRAME, EOS,

@@ -88,16 +88,23 @@ class MediaLayout:
         raw = np.asarray(raw)
         is_image = raw == image_token_id
         n = int(np.count_nonzero(is_image))
+        if self.tiled:
+            if grids is None:
+                raise ValueError("a tiled layout needs the grid of every image (`build_document` "
+                                 "and `grounding.caption_image` give them)")
+            grids = np.asarray(grids, np.int64).reshape(-1, 2)
+            if grids.shape[0] != n:
+                raise ValueError(f"{n} image placeholders but {grids.shape[0]} grids")
         lengths = self.image_tokens(grids, n)
         repeats = np.ones(raw.size, np.int64)
         repeats[is_image] = lengths
         tokens = np.repeat(raw.astype(np.int32), repeats)
         if not self.tiled:
             return tokens, None
-        grids = np.asarray(grids, np.int64).reshape(-1, 2)
         index = np.zeros(tokens.size, np.int32)
         starts = (np.cumsum(repeats) - repeats)[is_image]
-        slots = first_view + np.cumsum(self.image_views(grids, n)) - self.image_views(grids, n)
+        views = self.image_views(grids, n)
+        slots = first_view + np.cumsum(views) - views
         for start, length, slot, grid in zip(starts.tolist(), lengths.tolist(), slots.tolist(),
                                              grids.tolist()):
             index[start:start + length] = feature_rows(self.side, tuple(grid), slot,
