@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, random_batch, run_launch
+from conftest import ROOT, random_batch, read_records, run_launch
 from dsjax import config as config_lib
 from dsjax import fp8, pipeline, sharding, train
 from dsjax.metrics import gemms
@@ -470,6 +470,22 @@ def test_checkpoint_written_with_pp2_evaluates_with_pp1(tmp_path):
     assert evaluated["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-5)
 
 
+def test_moe_dense_fallback_trains_in_a_pipeline_on_data_and_tensor(tmp_path):
+    """launch.py, 3 steps: cpu_moe's experts under GSPMD (no expert parallelism) inside 1f1b
+    stages on (2, 2, 2), the mesh that once aborted XLA's SPMD partitioner."""
+    workdir = str(tmp_path / "run")
+    proc = run_launch(workdir, {
+        "mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2, "pipeline.schedule": "1f1b",
+        "pipeline.microbatches": 2, "model.num_layers": 5, "model.num_kv_heads": 4,
+        "model.expert_parallel": False,
+        "train.steps": 3, "metrics.profile_every": 0}, config="configs/cpu_moe.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_records(workdir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert np.asarray(records[-1]["expert_load"]).shape == (5, 8)  # 4 MoE layers + MTP
+
+
 @pytest.mark.parametrize("stages, repeats", [(2, 2), (4, 2), (2, 3), (3, 5), (4, 8)])
 def test_interleave_tables_move_every_chunk_to_its_circular_slot(stages, repeats):
     send, recv = stages_lib.interleave_tables(stages, repeats)
@@ -593,8 +609,9 @@ def _objective_and_aux(apply_fn, params, batch):
     "schedule, mesh, microbatches, repeats, expert_parallel, dense, mtp", [
         ("gpipe", (2, 2, 2), 2, 1, True, 0, 0),
         ("1f1b", (2, 2, 2), 2, 1, True, 0, 0),
-        # dense fallback: experts under GSPMD inside each stage
-        ("1f1b", (2, 1, 4), 4, 1, False, 0, 0),
+        # dense fallback: experts under GSPMD inside each stage, data and tensor both > 1
+        ("1f1b", (2, 2, 2), 2, 1, False, 0, 0),
+        ("gpipe", (2, 2, 2), 2, 1, False, 1, 0),
         ("circular", (2, 2, 2), 2, 2, True, 0, 0),
         # DeepSeek-V2/V3's layout: dense first blocks (on stage 0, before the stages), then MoE;
         # V3's MTP module (a MoE block) with the head.

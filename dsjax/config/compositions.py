@@ -103,7 +103,3 @@ def compositions(cfg: Config) -> None:
             raise ConfigError(f"fp8.recipe: 'delayed' needs pipeline.schedule '1f1b' or "
                               f"'interleaved_1f1b' (which max-combine their amax observations "
                               f"themselves), got {p.schedule!r}; or use 'current' / 'rowwise'")
-    if m.is_moe and not m.expert_parallel and cfg.mesh.data > 1 and cfg.mesh.tensor > 1:
-        raise ConfigError("model.expert_parallel: the dense fallback (experts sharded over "
-                          "`data` under GSPMD) fails XLA's SPMD partitioner inside the "
-                          "pipeline's shard_map when mesh.tensor > 1; set expert_parallel=True")

@@ -120,11 +120,12 @@ def dispatch_slots(experts_TK: jax.Array, num_experts: int) -> jax.Array:
 def dispatch(x_TD: jax.Array, experts_TK: jax.Array, slots_TK: jax.Array, num_experts: int,
              cap: int) -> jax.Array:
     """Token copies into their experts' slots: [E, C, D]; assignments past C are dropped."""
-    T, K = experts_TK.shape
-    token_A = jnp.repeat(jnp.arange(T), K)
+    K = experts_TK.shape[1]
     buf_ECD = jnp.zeros((num_experts, cap, x_TD.shape[-1]), x_TD.dtype)
-    return buf_ECD.at[experts_TK.reshape(-1), slots_TK.reshape(-1)].add(x_TD[token_A],
-                                                                       mode="drop")
+    # Each token's k copies by repeat, not by gathering x at token indices: a gather of x's
+    # sharded token axis fails XLA's SPMD partitioner inside a pipeline's shard_map.
+    return buf_ECD.at[experts_TK.reshape(-1), slots_TK.reshape(-1)].add(
+        jnp.repeat(x_TD, K, axis=0), mode="drop")
 
 
 def combine(y_ECD: jax.Array, experts_TK: jax.Array, slots_TK: jax.Array,
