@@ -106,6 +106,10 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"optim.name": "onebit_adam", "optim.b1": 0.99}, "optim.update_bound"),  # sqrt(.95) = .975
     # One data-parallel worker: nothing for 1-bit Adam to compress.
     ({"optim.name": "onebit_adam", "mesh.data": 1, "mesh.tensor": 4}, "mesh.data"),
+    ({"vision.tiling": True}, "vision.tiling"),  # a text model has nothing to tile
+    ({"vision.tower": "siglip", "vision.tiling": True, "vision.max_images": 1},
+     "vision.max_images"),  # a tiled image is a global view and at least one tile
+    ({"vision.tower": "siglip", "vision.tiling": True, "vision.max_tiles": 0}, "vision.max_tiles"),
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
