@@ -1,0 +1,36 @@
+"""Features that once did not combine, each trained for 3 steps by `python launch.py` on the
+default 8 simulated CPU devices, as a user runs them. Their equality tests (loss and gradients
+against the reference without the other feature) are beside each feature's own tests:
+tests/test_pipeline.py (fsdp, dense fallback, float16 and fp8 layers under the schedules),
+tests/test_onebit_moe.py, tests/test_moe.py (delayed fp8 experts)."""
+
+import numpy as np
+import pytest
+
+from conftest import read_records, run_launch
+
+PIPELINE = {"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2, "pipeline.schedule": "1f1b",
+            "pipeline.microbatches": 2, "metrics.profile_every": 0, "train.steps": 3}
+MOE = {"model.num_layers": 5, "model.num_kv_heads": 4}  # cpu_moe: 1 dense + 4 MoE blocks
+
+
+@pytest.mark.parametrize("config, flags", [
+    # FSDP inside each stage, with fp8 except the first layer (the split respects stages).
+    ("configs/cpu_tiny.py", {**PIPELINE, "model.num_layers": 4, "mesh.fsdp": True,
+                             "train.compute_dtype": "fp8", "fp8.keep_first_layers": 1}),
+    # float16 with dynamic loss scaling through 1f1b's own backward.
+    ("configs/cpu_tiny.py", {**PIPELINE, "model.num_layers": 4,
+                             "train.compute_dtype": "float16"}),
+    # 1-bit Adam (exact, then compressed) on a MoE model whose experts and dense prefix block
+    # run delayed-scaling fp8, in 1f1b stages.
+    ("configs/cpu_moe.py", {**PIPELINE, **MOE, "optim.name": "onebit_adam",
+                            "optim.freeze_step": 1, "train.compute_dtype": "fp8",
+                            "fp8.recipe": "delayed"}),
+], ids=["fsdp-fp8-keep-first-1f1b", "float16-1f1b", "onebit-moe-delayed-fp8-1f1b"])
+def test_composition_trains_three_steps_in_launch(tmp_path, config, flags):
+    workdir = str(tmp_path / "run")
+    proc = run_launch(workdir, flags, config=config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_records(workdir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records), records
