@@ -19,7 +19,7 @@ from dsjax import checkpoint as ckpt
 from dsjax import metrics as mx
 from dsjax import grounding, sharding
 from dsjax.config import Config
-from dsjax.data import eval_batches, load_image, load_tokenizer, mixed_eval_batches
+from dsjax.data import eval_batches, load_tokenizer, mixed_eval_batches
 from dsjax.data.splits import Splits, data_splits, media_reading, vl_root
 from dsjax.data.vl_sources import eval_labels
 from dsjax.model.loss import ModelLoss
@@ -141,8 +141,8 @@ def _grounding(trainer, params: Any, root: str, cfg: Config) -> dict[str, Any]:
            f"{g['digit_accuracy']:.3f} (chance 0.1) | direction accuracy "
            f"{v['direction_accuracy']:.3f} (chance 0.25)")
     for item in eval_labels(root)["image"][:3]:
-        frames = load_image(os.path.join(root, "raw", item["path"]), cfg.vision.image_size)
-        caption = grounding.greedy_caption(trainer, params, frames[None], 40)
+        views, grids = grounding.caption_image(os.path.join(root, "raw", item["path"]), cfg)
+        caption = grounding.greedy_caption(trainer, params, views, 40, grids)
         mx.log(f"caption of held-out digit {item['label']} ({item['path']}): {caption!r}")
     return out
 
