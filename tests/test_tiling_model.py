@@ -4,15 +4,17 @@ decoder and a pipeline's stage 0 both place it; the learned rows train."""
 
 import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FLAT_MESH, TINY_FLAGS, random_batch
+from conftest import FLAT_MESH, TINY_FLAGS, random_batch, run_launch
 from dsjax import config as config_lib
-from dsjax import pipeline, sharding
+from dsjax import convert, pipeline, sharding
 from dsjax.data.tiling import feature_rows, image_tokens, num_views
 from dsjax.model import Transformer
 from dsjax.model.loss import ModelLoss, loss_fn, media_layout
@@ -175,3 +177,29 @@ def test_tiles_on_stage_0_match_one_device(schedule):
     scale = np.sqrt(sum(np.sum(np.square(r)) for r in jax.tree.leaves(ref_grads)))
     for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
         assert np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-3 * scale) < 1e-5
+
+
+def test_cpu_vl_tiled_trains_evaluates_and_refuses_export(tmp_path, capsys):
+    """configs/cpu_vl.py with tiling, tiny, through launch.py: the corpus prepared into views
+    and grids, training, held-out loss per source, grounding and captions on tiled images; the
+    export to transformers (which has no VL2 class) is one clear error."""
+    workdir = str(tmp_path / "run")
+    small = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
+             "model.num_kv_heads": 2, "model.mlp_dim": 128, "vision.hidden_size": 32,
+             "vision.num_layers": 1, "vision.num_heads": 2, "vision.mlp_dim": 64,
+             "vision.tiling": True, "vision.max_tiles": 2, "train.steps": 2,
+             "train.log_every": 1, "data.eval_batches": 1, "data.seq_len": 128,
+             "checkpoint.every": 0}
+    proc = run_launch(workdir, small, config="configs/cpu_vl.py", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    assert all(np.isfinite(v) for v in summary["eval_loss_by_modality"].values())
+    assert summary["image_grounding"]["digits_scored"] == 100
+    assert summary["video_grounding"]["clips_scored"] == 30
+    assert proc.stdout.count("caption of held-out digit") == 3, proc.stdout[-2000:]
+    out = str(tmp_path / "hf")
+    assert convert.main(["orbax-to-hf", "--checkpoint", workdir, "--out", out]) != 0
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and "DeepSeek-VL2 tiling" in err, err
+    assert not os.path.exists(out)  # nothing half-written

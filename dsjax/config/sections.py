@@ -263,6 +263,12 @@ def tokens_per_image(image_size: int, patch_size: int, projector: str) -> int:
     return view_side(image_size, patch_size, projector) ** 2
 
 
+def global_view_tokens(side: int, tiling: bool) -> int:
+    """Decoder positions of a global view (a video frame's only view) of `side` x `side` feature
+    rows: with DeepSeek-VL2 tiling each row ends in the row-newline embedding."""
+    return side * (side + 1) if tiling else side * side
+
+
 def trainable_groups(trainable: str) -> tuple[str, ...]:
     """`train.trainable` -> the parameter groups that learn (TRAINABLE_GROUPS order)."""
     names = [s.strip() for s in trainable.split(",") if s.strip()]

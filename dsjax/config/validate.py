@@ -14,8 +14,8 @@ import os
 from dsjax import remat
 from dsjax.config.compositions import compositions
 from dsjax.config.sections import (PIPELINE_SCHEDULES, PROJECTORS, VISION_TOWERS, Config,
-                                   ModelConfig, chunks_per_stage, tokens_per_image,
-                                   trainable_groups)
+                                   ModelConfig, chunks_per_stage, global_view_tokens,
+                                   trainable_groups, view_side)
 from dsjax.errors import ConfigError, one_of
 from dsjax.runtime import xla_flags
 
@@ -167,7 +167,8 @@ def validate_data(cfg: Config) -> None:
                               "needs data.tokenizer='byte' and a vision.tower")
         v = cfg.vision
         # A held-out clip scored whole: its frames, their separators, the longest caption.
-        need = d.max_frames * (tokens_per_image(v.image_size, v.patch_size, v.projector) + 1) + 40
+        side = view_side(v.image_size, v.patch_size, v.projector)
+        need = d.max_frames * (global_view_tokens(side, v.tiling) + 1) + 40
         if d.seq_len < need or v.max_images < d.max_frames:
             raise ConfigError(f"data.seq_len: the vl_corpus clips take {d.max_frames} frames "
                               f"and their caption, {need} tokens and {d.max_frames} image slots; "

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dsjax.config.sections import global_view_tokens
+
 FRAME_GRID = (0, 0)  # a video frame: the global view only
 
 
@@ -58,7 +60,7 @@ def image_tokens(side: int, grid: tuple[int, int]) -> int:
     """Decoder positions of one image (or frame, grid (0, 0)) with `side` feature rows per view
     side."""
     rows, cols = grid
-    tokens = side * (side + 1)
+    tokens = global_view_tokens(side, tiling=True)
     if rows * cols:
         tokens += 1 + rows * side * (cols * side + 1)
     return tokens
