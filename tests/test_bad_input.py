@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_FLAGS, run_launch
-from dsjax.data import ShardWriter, prepare
+from dsjax.data import ShardWriter, prepare_text
 
 BASE = {"metrics.profile_every": 0, "train.sample_tokens": 0, "metrics.tensorboard": False,
         "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1}
@@ -127,7 +127,7 @@ def outcomes(tmp_path_factory):
     prepared = {}
     for how in ("empty", "beyond_vocab"):
         prepared[how] = str(root / f"prepared_{how}")
-        prepare(text, "text", "byte", prepared[how], eval_fraction=0.2,
+        prepare_text(text, "text", "byte", prepared[how], eval_fraction=0.2,
                 split_on_blank_lines=True)
         prepared[how + "_shard"] = _damage_prepared(prepared[how], how)
     prepared["wide"] = str(root / "prepared_wide")

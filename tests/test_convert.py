@@ -26,7 +26,7 @@ from conftest import ROOT, load_safetensors_dir
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import convert
-from dsjax.data import eval_batches, load_tokenizer, prepare, train_iterator
+from dsjax.data import eval_batches, load_tokenizer, prepare_text, train_iterator
 from dsjax.model import Transformer
 from dsjax.model.decoder import abstract_params
 
@@ -306,7 +306,7 @@ def _corpus(tmp_path):
     letters = np.array(list("abcdefgh ijklmnop\nqrstuvwxyz(){}:=_"))
     for i in range(40):
         (docs / f"{i:02d}.txt").write_text("".join(rng.choice(letters, rng.integers(20, 90))))
-    prepare([str(docs)], "text", "byte", str(tmp_path / "data"), eval_fraction=0.3)
+    prepare_text([str(docs)], "text", "byte", str(tmp_path / "data"), eval_fraction=0.3)
     return str(tmp_path / "data")
 
 

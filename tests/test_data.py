@@ -14,8 +14,8 @@ import pytest
 
 from conftest import file_digests
 from dsjax.data import (ByteTokenizer, DataError, HFTokenizer, PackedSource, ShardWriter,
-                        build_stdlib_corpus, eval_batches, load_tokenizer, make_example, prepare,
-                        train_dataset, train_iterator)
+                        build_stdlib_corpus, eval_batches, load_tokenizer, make_example,
+                        prepare_text, train_dataset, train_iterator)
 from dsjax.data.prepare import main as prepare_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -350,16 +350,17 @@ def test_prepare_text_paragraphs(tmp_path):
     (tmp_path / "in").mkdir()
     for f in range(3):
         (tmp_path / "in" / f"part{f}.txt").write_text("\n\n".join(paragraphs[f * 10:(f + 1) * 10]))
-    result = prepare([str(tmp_path / "in")], "text", "byte", str(tmp_path / "out"),
+    result = prepare_text([str(tmp_path / "in")], "text", "byte", str(tmp_path / "out"),
                      eval_fraction=0.2, seed=1, split_on_blank_lines=True)
     tok = ByteTokenizer()
     train, ev = split_docs(result["train_dir"], tok), split_docs(result["eval_dir"], tok)
     assert train and ev
     assert sorted(train + ev) == sorted(paragraphs)
     assert result["train"]["num_docs"] + result["eval"]["num_docs"] == len(paragraphs)
-    # The package attribute stays the function even after the same-named submodule is imported.
+    # The function and its CLI module have different names, so neither hides the other.
     import dsjax.data
-    assert dsjax.data.prepare is sys.modules["dsjax.data.prepare"].prepare
+    assert dsjax.data.prepare is sys.modules["dsjax.data.prepare"]
+    assert dsjax.data.prepare_text is dsjax.data.prepare.prepare_text
 
 
 def test_prepare_cli_jsonl(tmp_path):
@@ -458,7 +459,8 @@ def _prepared_corpus(tmp_path):
     docs.write_text("\n\n".join(random_text(rng).replace("\n", " ").strip() or "z"
                                 for _ in range(20)))
     out = tmp_path / "mine"
-    prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.3, split_on_blank_lines=True)
+    prepare_text([str(docs)], "text", "byte", str(out), eval_fraction=0.3,
+                 split_on_blank_lines=True)
     return docs, out
 
 
@@ -492,10 +494,10 @@ def test_prepare_refuses_to_overwrite_existing_splits(tmp_path, capsys):
     docs, out = _prepared_corpus(tmp_path)
     before = file_digests(out)
     with pytest.raises(DataError, match=r"exist already; nothing was written.*--overwrite"):
-        prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.5)
+        prepare_text([str(docs)], "text", "byte", str(out), eval_fraction=0.5)
     assert prepare_main(["--input", str(docs), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert file_digests(out) == before
-    result = prepare([str(docs)], "text", "byte", str(out), eval_fraction=0.5,
+    result = prepare_text([str(docs)], "text", "byte", str(out), eval_fraction=0.5,
                      split_on_blank_lines=True, overwrite=True)
     assert file_digests(out) != before and result["eval"]["num_docs"] >= 1

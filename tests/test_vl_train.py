@@ -19,7 +19,7 @@ from dsjax import convert
 from dsjax import pipeline, sharding
 from dsjax.data import mixed_stream
 from dsjax.data.mm_prepare import prepare_multimodal
-from dsjax.data.prepare import prepare
+from dsjax.data.prepare import prepare_text
 from dsjax.data.vl_corpus import build_vl_corpus
 from dsjax.model.loss import ModelLoss, loss_fn
 from dsjax.train import build_trainer
@@ -43,7 +43,7 @@ def vl_data(tmp_path_factory):
     text = root / "text.jsonl"
     text.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3})
                               for i in range(200)))
-    prepare([str(text)], "jsonl", "byte", str(data / "text"), eval_fraction=0.1)
+    prepare_text([str(text)], "jsonl", "byte", str(data / "text"), eval_fraction=0.1)
     return str(data)
 
 

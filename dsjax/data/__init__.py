@@ -21,13 +21,13 @@ from dsjax.data.mixture import mixed_eval_batches, mixed_stream, parse_mix
 
 
 def __getattr__(name):
-    # `prepare` is loaded on first use: importing the module here would make
-    # `python -m dsjax.data.prepare` run it twice (runpy warns). The function is bound over the
-    # submodule attribute that the import sets, so `dsjax.data.prepare` is always the function.
-    if name == "prepare":
-        from dsjax.data.prepare import prepare  # pylint: disable=g-import-not-at-top
-        globals()["prepare"] = prepare
-        return prepare
+    # `prepare_text` is loaded on first use: importing its module here would make
+    # `python -m dsjax.data.prepare` run it twice (runpy warns). Its name differs from the
+    # module's, so `dsjax.data.prepare` is always the module, whatever was imported first.
+    if name == "prepare_text":
+        from dsjax.data.prepare import prepare_text  # pylint: disable=g-import-not-at-top
+        globals()["prepare_text"] = prepare_text
+        return prepare_text
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -52,5 +52,5 @@ __all__ = [
     "mixed_stream",
     "mixed_eval_batches",
     "parse_mix",
-    "prepare",
+    "prepare_text",
 ]

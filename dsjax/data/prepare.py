@@ -72,7 +72,7 @@ def iter_documents(files: Sequence[str], fmt: str, jsonl_field: str = "text",
             yield from _jsonl_documents(path, jsonl_field)
 
 
-def prepare(inputs: Sequence[str] | str, fmt: str, tokenizer_spec: str, out_dir: str,
+def prepare_text(inputs: Sequence[str] | str, fmt: str, tokenizer_spec: str, out_dir: str,
             eval_fraction: float = 0.01, seed: int = 0, jsonl_field: str = "text",
             split_on_blank_lines: bool = False, shard_tokens: int = 2**24,
             overwrite: bool = False) -> dict:
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         args.seed, args.shard_tokens, args.shard_images,
                                         args.overwrite, args.eval_input, args.max_tiles)
         else:
-            result = prepare(args.input, args.format, args.tokenizer, args.out,
+            result = prepare_text(args.input, args.format, args.tokenizer, args.out,
                              args.eval_fraction, args.seed, args.jsonl_field,
                              args.split_on_blank_lines, args.shard_tokens, args.overwrite)
     except DataError as e:
