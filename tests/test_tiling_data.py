@@ -23,6 +23,7 @@ from dsjax.data import (ByteTokenizer, DataError, MultimodalSource, MultimodalWr
                         ShardWriter, make_example, mixed_eval_batches, mixed_stream)
 from dsjax.data import vl_sources
 from dsjax.data.media import load_image_views, load_video
+from dsjax.data.mm_prepare import Record, build_document
 from dsjax.data.prepare import main as prepare_main
 from dsjax.data.tiling import best_grid, feature_rows, image_tokens
 
@@ -442,3 +443,16 @@ def test_vl_sources_cache_knows_the_tiling(tmp_path, monkeypatch):
         calls.clear()
         build(tiles)
         assert calls == prepared, tiles
+
+
+def test_records_with_more_than_two_images_get_one_tile_each(tiled):
+    """DeepSeek-VL2 tiles the images of a record only when it has at most two; with three, each
+    image is its global view and one tile (grid (1, 1)) whatever its shape."""
+    media = tiled[0].parent / "media"
+    paths = tuple(str(media / f"im{g}.png") for g in ("13", "21", "22"))
+    tok = ByteTokenizer()
+    three = Record("t:1", "<image><image><image>", paths)
+    ids, views, grids = build_document(three, tok, 8, 2.0, 3, max_tiles=4)
+    assert grids.tolist() == [[1, 1]] * 3 and views.shape[0] == 3 * 2
+    two = Record("t:2", "<image><image>", paths[:2])
+    assert build_document(two, tok, 8, 2.0, 3, max_tiles=4)[2].tolist() == [[1, 3], [2, 1]]

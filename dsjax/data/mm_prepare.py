@@ -92,6 +92,9 @@ def iter_records(files: Sequence[str]) -> Iterator[Record]:
                 yield parsed
 
 
+TILED_IMAGES = 2  # a record with more images than this gets no best-fit grids (VL2's rule)
+
+
 def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
                    max_frames: int, max_tiles: int = 0
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -110,7 +113,10 @@ def build_document(record: Record, tokenizer, image_size: int, video_fps: float,
             if max_tiles:
                 grids = np.tile(np.array(FRAME_GRID, np.int64), (frames.shape[0], 1))
         elif max_tiles and record.images:
-            loaded = [load_image_views(p, image_size, max_tiles) for p in record.images]
+            # DeepSeek-VL2 tiles the images of a record with at most TILED_IMAGES of them; more
+            # get one tile each (the padded image, grid (1, 1)), keeping the record's length.
+            tiles = max_tiles if len(record.images) <= TILED_IMAGES else 1
+            loaded = [load_image_views(p, image_size, tiles) for p in record.images]
             frames = np.concatenate([views for views, _ in loaded])
             grids = np.array([grid for _, grid in loaded], np.int64)
             media_ids = [np.array([image_id])] * len(record.images)
