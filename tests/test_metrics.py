@@ -102,12 +102,10 @@ def test_memory_reading_from_compiled_program_subtracts_donated_buffers():
     r_plain = mx.memory_reading(device, plain)
     r_donated = mx.memory_reading(device, donated)
     assert r_plain["source"].startswith("compiled memory_analysis")
-    ma = plain.memory_analysis()
-    assert r_plain["peak_bytes"] == (ma.temp_size_in_bytes + ma.argument_size_in_bytes +
-                                     ma.output_size_in_bytes)
-    assert r_plain["peak_bytes"] >= 2 * x.nbytes  # the argument and the output
+    # By hand: an elementwise op needs its 256 x 512 float32 argument and output, no scratch.
+    assert r_plain["peak_bytes"] == 2 * 256 * 512 * 4
     # The donated output reuses the argument's buffer: one array's bytes fewer, exactly.
-    assert r_plain["peak_bytes"] - r_donated["peak_bytes"] == x.nbytes
+    assert r_donated["peak_bytes"] == 256 * 512 * 4
 
 
 def test_memory_reading_prefers_device_stats_and_says_when_it_has_none():
