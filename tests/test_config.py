@@ -26,6 +26,50 @@ def test_every_config_loads_and_builds_abstract_model(path):
     assert names, "every parameter must carry logical axis names"
 
 
+def _dense_llama(V, D, H, N, K, F, L):
+    """Embedding and head V x D each, final norm D; per layer q and o D x H*K, k and v D x N*K,
+    SwiGLU 3 x D x F, two norms D."""
+    return 2 * V * D + D + L * (2 * D * H * K + 2 * D * N * K + 3 * D * F + 2 * D)
+
+
+def _cpu_moe():
+    """configs/cpu_moe.py by hand: D 128, V 512, 4 heads, MLA (q rank 64, kv rank 32, nope 32,
+    rope 16, v 32), 1 dense block (F 384), 3 MoE blocks (8 routed + 1 shared expert of width
+    96), and one MTP module (a MoE block, a 2D -> D projection and three norms)."""
+    D, V, H = 128, 512, 4
+    attn = (D * 64 + 64 + 64 * H * (32 + 16)      # q_a, q_norm, q_b
+            + D * (32 + 16) + 32 + 32 * H * (32 + 32)  # kv_a (latent + shared rope key), norm, kv_b
+            + H * 32 * D)                          # o
+    moe = 9 * 3 * D * 96 + D * 8 + 8               # experts, router, router bias
+    dense_block = attn + 3 * D * 384 + 2 * D
+    moe_block = attn + moe + 2 * D
+    mtp = 2 * D * D + 3 * D + moe_block
+    return 2 * V * D + D + dense_block + 3 * moe_block + mtp
+
+
+# The language model's parameters (a VL tower is counted apart), written out by hand so that a
+# layer created twice, or a weight left out, changes the count.
+PARAM_COUNTS = {
+    "cpu_tiny.py": _dense_llama(V=512, D=256, H=8, N=4, K=32, F=832, L=6),
+    "cpu_vl.py": _dense_llama(V=512, D=256, H=8, N=4, K=32, F=768, L=4),
+    "h100_bf16.py:smoke": _dense_llama(V=512, D=128, H=4, N=4, K=32, F=256, L=2),
+    "h100_fp8.py:smoke": _dense_llama(V=512, D=128, H=4, N=4, K=32, F=256, L=2),
+    "cpu_moe.py": _cpu_moe(),
+}
+
+
+def test_hand_formulas_give_the_known_counts():
+    assert PARAM_COUNTS == {"cpu_tiny.py": 5_278_976, "cpu_vl.py": 3_410_176,
+                            "h100_bf16.py:smoke": 459_392, "h100_fp8.py:smoke": 459_392,
+                            "cpu_moe.py": 1_900_800}
+
+
+@pytest.mark.parametrize("name", sorted(PARAM_COUNTS))
+def test_small_config_parameter_counts_match_the_hand_count(name):
+    cfg = config_lib.load(os.path.join(ROOT, "configs", name))
+    assert count_params(abstract_params(cfg.model)) == PARAM_COUNTS[name]
+
+
 def test_smoke_variant_of_optimized_config_loads():
     cfg = config_lib.load(os.path.join(ROOT, "configs", "h100_fp8.py") + ":smoke")
     assert cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline == 8
