@@ -93,8 +93,8 @@ def main(argv):
             train.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback,
                       max_runtime_s=_max_runtime_s())
         else:
-            from dsjax import evaluate  # pylint: disable=g-import-not-at-top  (imports JAX)
-            evaluate.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback)
+            from dsjax import train  # pylint: disable=g-import-not-at-top  (imports JAX)
+            train.run_eval(cfg, workdir, allow_fallback=FLAGS.allow_fallback)
     except Exception as e:  # pylint: disable=broad-except
         if FLAGS.verbose or not isinstance(e, USER_ERRORS):
             raise

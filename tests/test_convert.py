@@ -367,14 +367,14 @@ def test_training_continues_from_a_converted_checkpoint(tmp_path):
 
 
 def test_eval_mode_evaluates_a_converted_checkpoint(tmp_path):
-    from dsjax import evaluate  # pylint: disable=g-import-not-at-top
+    from dsjax import train  # pylint: disable=g-import-not-at-top
 
     data = _corpus(tmp_path)
     hf_dir, ckpt_dir = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     save_random_llama(hf_dir, seed=7)
     convert.hf_to_orbax(hf_dir, ckpt_dir, log=quiet)
     cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), {**RUN, "data.path": data})
-    results = evaluate.run(cfg, ckpt_dir)  # what `launch.py --mode eval --workdir ckpt_dir` runs
+    results = train.run_eval(cfg, ckpt_dir)  # what `launch.py --mode eval --workdir ckpt_dir` runs
     model = hf_model(hf_dir)
     batches = eval_batches(os.path.join(data, "eval"), 32, 8, 2)
     counts = [float(b["weights"].sum()) for b in batches]

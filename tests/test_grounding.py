@@ -1,4 +1,4 @@
-"""dsjax/grounding.py: the rows it scores, and per-row caption losses against the model's own
+"""dsjax/evaluate/grounding.py: the rows it scores, and per-row caption losses against the model's own
 training loss."""
 
 import jax
@@ -6,7 +6,7 @@ import numpy as np
 
 from conftest import FLAT_MESH, TINY_FLAGS
 from dsjax import config as config_lib
-from dsjax import grounding
+from dsjax.evaluate import grounding
 from dsjax.model.loss import ModelLoss
 from dsjax.train import build_trainer
 

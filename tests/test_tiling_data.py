@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dsjax import grounding
+from dsjax.evaluate import grounding
 from dsjax.data import (ByteTokenizer, DataError, MultimodalSource, MultimodalWriter,
                         ShardWriter, make_example, mixed_eval_batches, mixed_stream)
 from dsjax.data import vl_sources

@@ -280,3 +280,13 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     mx.log("summary: " + ", ".join(f"{k}={v:.4g}" for k, v in writer_eval.items()))
     summary.update(results)
     return summary
+
+
+def run_eval(cfg: Config, workdir: str, allow_fallback: bool = False) -> dict[str, Any]:
+    """`--mode eval`: restores the latest intact checkpoint in `workdir` (onto this config's
+    mesh); a corrupt one is an error unless `allow_fallback` (then the previous one is used)."""
+    trainer = build_trainer(cfg)
+    params = ckpt.restore_params(workdir, trainer.abstract_state().params, cfg.model,
+                                 allow_fallback=allow_fallback, log=mx.log)
+    splits = data_splits(cfg, workdir)
+    return evaluate.evaluate_and_report(trainer, params, splits, cfg, workdir)

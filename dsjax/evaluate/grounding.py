@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
 from dsjax.data import ByteTokenizer
@@ -196,3 +197,19 @@ def greedy_caption(trainer, params: Any, frames: np.ndarray, num_tokens: int,
 def _logits(model, params, batch):
     return model.apply({"params": params}, batch["inputs"], batch["positions"],
                        batch["segment_ids"], **media_args(batch))
+
+
+def report(trainer, params: Any, root: str, cfg: Config) -> dict[str, Any]:
+    """The cpu_vl corpus's grounding scores, logged with greedy captions of held-out digits."""
+    out = {"image_grounding": image_grounding(trainer, params, root, cfg),
+           "video_grounding": video_grounding(trainer, params, root, cfg)}
+    g, v = out["image_grounding"], out["video_grounding"]
+    mx.log(f"grounding: caption loss {g['caption_loss_true_image']:.4f} with the true image, "
+           f"{g['caption_loss_shuffled_image']:.4f} with another | digit accuracy "
+           f"{g['digit_accuracy']:.3f} (chance 0.1) | direction accuracy "
+           f"{v['direction_accuracy']:.3f} (chance 0.25)")
+    for item in eval_labels(root)["image"][:3]:
+        views, grids = caption_image(os.path.join(root, "raw", item["path"]), cfg)
+        caption = greedy_caption(trainer, params, views, 40, grids)
+        mx.log(f"caption of held-out digit {item['label']} ({item['path']}): {caption!r}")
+    return out

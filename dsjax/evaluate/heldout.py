@@ -1,4 +1,4 @@
-"""Evaluation: held-out loss, perplexity, bits per byte, and a greedy continuation of a prompt.
+"""Held-out evaluation: loss, perplexity, bits per byte, and a greedy continuation of a prompt.
 
 Bits per byte (byte tokenizer only) = total held-out NLL in bits / number of predicted byte
 tokens; the EOS predictions' NLL is counted in the numerator, so it is, if anything, pessimistic.
@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax import checkpoint as ckpt
 from dsjax import metrics as mx
-from dsjax import grounding, sharding
+from dsjax import sharding
 from dsjax.config import Config
 from dsjax.data import eval_batches, load_tokenizer, mixed_eval_batches
-from dsjax.data.splits import Splits, data_splits, media_reading, vl_root
-from dsjax.data.vl_sources import eval_labels
+from dsjax.data.splits import Splits, media_reading, vl_root
+from dsjax.evaluate import grounding
 from dsjax.model.loss import ModelLoss
-from dsjax.train.trainer import build_trainer
 
 BYTE_VOCAB = 256  # ids below this are raw bytes in the byte tokenizer
 
@@ -120,7 +117,7 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
         out = generate(trainer, params, prompt, cfg.train.sample_tokens)
         results["sample"] = cfg.train.sample_prompt + tokenizer.decode(out)
     if cfg.data.source == "vl_corpus":
-        results.update(_grounding(trainer, params, vl_root(cfg, workdir), cfg))
+        results.update(grounding.report(trainer, params, vl_root(cfg, workdir), cfg))
     bpb = results["eval_bits_per_byte"]
     mx.log(f"held-out: loss {results['eval_loss']:.4f} nats/token | perplexity "
            f"{results['eval_perplexity']:.3f}" + (f" | {bpb:.4f} bits/byte" if bpb else "") +
@@ -129,29 +126,3 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
         mx.log("sample (greedy):\n" + results["sample"])
     mx.update_summary(workdir, results)
     return results
-
-
-def _grounding(trainer, params: Any, root: str, cfg: Config) -> dict[str, Any]:
-    """The cpu_vl corpus's grounding scores, logged with greedy captions of held-out digits."""
-    out = {"image_grounding": grounding.image_grounding(trainer, params, root, cfg),
-           "video_grounding": grounding.video_grounding(trainer, params, root, cfg)}
-    g, v = out["image_grounding"], out["video_grounding"]
-    mx.log(f"grounding: caption loss {g['caption_loss_true_image']:.4f} with the true image, "
-           f"{g['caption_loss_shuffled_image']:.4f} with another | digit accuracy "
-           f"{g['digit_accuracy']:.3f} (chance 0.1) | direction accuracy "
-           f"{v['direction_accuracy']:.3f} (chance 0.25)")
-    for item in eval_labels(root)["image"][:3]:
-        views, grids = grounding.caption_image(os.path.join(root, "raw", item["path"]), cfg)
-        caption = grounding.greedy_caption(trainer, params, views, 40, grids)
-        mx.log(f"caption of held-out digit {item['label']} ({item['path']}): {caption!r}")
-    return out
-
-
-def run(cfg: Config, workdir: str, allow_fallback: bool = False) -> dict[str, Any]:
-    """`--mode eval`: restores the latest intact checkpoint in `workdir` (onto this config's
-    mesh); a corrupt one is an error unless `allow_fallback` (then the previous one is used)."""
-    trainer = build_trainer(cfg)
-    params = ckpt.restore_params(workdir, trainer.abstract_state().params, cfg.model,
-                                 allow_fallback=allow_fallback, log=mx.log)
-    splits = data_splits(cfg, workdir)
-    return evaluate_and_report(trainer, params, splits, cfg, workdir)

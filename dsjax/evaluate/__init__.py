@@ -1,0 +1,13 @@
+"""Evaluation, a floor below training: held-out loss per source, perplexity, bits per byte and
+greedy samples (heldout), and the cpu_vl corpus's grounding scores and captions (grounding).
+
+Everything here takes a built trainer and its params; nothing here builds or restores one. What
+restores a checkpoint for `--mode eval` is `dsjax.train.run_eval`, above this package.
+"""
+
+from dsjax.evaluate import grounding
+from dsjax.evaluate.heldout import (BYTE_VOCAB, evaluate_and_report, evaluate_params, generate,
+                                    held_out)
+
+__all__ = ["BYTE_VOCAB", "evaluate_and_report", "evaluate_params", "generate", "grounding",
+           "held_out"]
