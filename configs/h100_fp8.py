@@ -2,7 +2,7 @@
 
 Landed: fp8 GEMMs for every attention/MLP projection (current per-tensor scaling; embedding, output
 head, norms and the attention core stay in bf16/fp32), selective recomputation `attention_core`
-(benchmarks/results/remat_deepseek_7b.txt: 34% of `none`'s activation memory for +4.6% FLOPs),
+(benchmarks/results/remat_deepseek_7b.txt: 71% of `none`'s temporaries, FLOPs unchanged at 1.000),
 1-bit Adam with error compensation after 20% of the steps (benchmarks/results/comm_bytes_*.json:
 the compressed step sends ~1/32 of the warmup step's data-parallel bytes; every 10th step is
 exact and refreshes v, so 1/7.8 on average: the optim.refresh_every default; docs/onebit.md),

@@ -92,7 +92,8 @@ class MeshConfig:
 class DataConfig:
     seq_len: int = 256  # tokens per row
     global_batch: int = 8  # rows per step across all devices (batch.ladder's starting size)
-    source: str = "stdlib"  # stdlib (the Python standard library's .py files) | prepared
+    source: str = "stdlib"  # stdlib (the Python standard library's .py files) | prepared |
+                            # vl_corpus (stdlib text + the cpu_vl images and clips)
     path: str = ""  # prepared: the `dsjax.data.prepare` directory; stdlib: corpus cache
                     # ("" = WORKDIR/data/stdlib)
     tokenizer: str = "byte"  # byte-level tokens (a prepared split records its own tokenizer)
@@ -189,8 +190,8 @@ def chunks_per_stage(schedule: str, repeats: int) -> int:
 class PipelineConfig:
     # dsjax/pipeline/; used when mesh.pipeline > 1 (docs/pipeline.md).
     schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES; 1f1b, as every pipelined config had:
-                            # activation memory flat in the microbatch count (float16 needs
-                            # gpipe or circular)
+                            # activation memory flat in the microbatch count (every schedule
+                            # takes float16: 1f1b's backward starts from the loss scale)
     microbatches: int = 1  # per step; a multiple of mesh.pipeline
     repeats: int = 1  # circular, interleaved_1f1b: layer chunks per stage; 1 for the others
 
