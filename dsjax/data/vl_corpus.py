@@ -26,7 +26,6 @@ import os
 import shutil
 import tempfile
 
-import av
 import numpy as np
 from PIL import Image
 from sklearn.datasets import load_digits
@@ -105,6 +104,8 @@ def moving_digit_clip(pixels: np.ndarray, direction: str, canvas: int, num_frame
 def write_mp4(path: str, frames: np.ndarray, fps: int) -> None:
     """H.264 in mp4 at near-lossless quality (crf 10 keeps 8x8-digit edges); `bitexact` and one
     thread make the file byte-identical across runs. H.264's yuv420p needs even sizes."""
+    import av  # pylint: disable=g-import-not-at-top  (optional: the GPU image has no PyAV)
+
     with av.open(path, "w", format="mp4", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream("libx264", rate=fps,
                                       options={"crf": "10", "preset": "veryfast", "threads": "1"})

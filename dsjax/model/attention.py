@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
 from dsjax.config.validate import ATTENTION_IMPLS
 from dsjax.errors import ConfigError, one_of
@@ -145,22 +144,39 @@ def _pad_last(x: jax.Array, size: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
+def cudnn_call(q_BSHK, k_BTNK, v_BTNK, segment_ids_BS, scale, implementation="cudnn"):
+    """jax.nn.dot_product_attention on cuDNN, causal by `is_causal`. A batch of one document a
+    row takes the mask-free kernel; packed documents add a [B, 1, S, T] same-document mask (jax
+    hands it to cuDNN as a bias). JAX's public call has no segment-id argument (its sequence
+    lengths describe padding, not packing), so the mask is the packed layout it offers. Which
+    branch runs is decided per batch, on device: `lax.cond` on whether every row is one
+    document. `implementation="xla"` runs the same arguments through jax's reference (tests)."""
+    def attend(mask_B1ST):
+        return jax.nn.dot_product_attention(q_BSHK, k_BTNK, v_BTNK, mask=mask_B1ST, scale=scale,
+                                            is_causal=True, implementation=implementation)
+
+    def packed(segment_ids_BS):
+        return attend((segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None])
+
+    one_doc = jnp.all(segment_ids_BS == segment_ids_BS[:, :1])
+    return jax.lax.cond(one_doc, lambda _: attend(None), packed, segment_ids_BS)
+
+
 def _cudnn(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale):
-    """jax.nn.dot_product_attention on cuDNN: causal by `is_causal`, documents by a [B, 1, S, T]
-    mask (jax passes it to cuDNN as a bias). It needs v's head dim equal to k's: pad."""
+    """`cudnn_call`, which needs v's head dim equal to k's: pad, then slice the context."""
     K, U = q_BSHK.shape[-1], v_BTNU.shape[-1]
     width = max(K, U)
     q_BSHK, k_BTNK, v_BTNU = (_pad_last(x, width) for x in (q_BSHK, k_BTNK, v_BTNU))
-    same_doc_B1ST = (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
-    ctx = jax.nn.dot_product_attention(q_BSHK, k_BTNK, v_BTNU, mask=same_doc_B1ST, scale=scale,
-                                       is_causal=True, implementation="cudnn")
-    return ctx[..., :U]
+    return cudnn_call(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale)[..., :U]
 
 
 def _pallas(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale):
     """jax's Pallas (Triton) flash kernel; interpreted off GPU. It needs equal heads (k, v
     repeated for GQA), one head dim for q, k, v (zero-padded), and a sequence that its tiles
-    divide: padded at the end, where causality hides the padding from every real query."""
+    divide: padded at the end, where causality hides the padding from every real query. Imported
+    here: the module is deprecated in JAX 0.11 (its successor is tokamax), so an import at the top
+    would break every import of dsjax when JAX removes it."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
     B, S, H, K = q_BSHK.shape
     U = v_BTNU.shape[-1]
     R = H // k_BTNK.shape[2]
