@@ -6,6 +6,7 @@ never read back through the code under test.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -488,6 +489,29 @@ def test_the_stdlib_corpus_never_replaces_a_prepared_corpus(tmp_path):
     cache = tmp_path / "cache"
     build_stdlib_corpus(str(cache), max_bytes=200_000)
     build_stdlib_corpus(str(cache), eval_fraction=0.2, max_bytes=200_000)
+
+
+def test_an_eval_split_too_small_for_one_batch_fails_before_training(tmp_path):
+    """The held-out split is sized against one eval batch when the run finds its data, so a
+    corpus that cannot be evaluated stops before step 1 (not after the last), naming the split
+    and both sizes."""
+    from dsjax import config as config_lib
+    from dsjax.data.splits import data_splits
+
+    _, out = _prepared_corpus(tmp_path)
+    flags = {"data.source": "prepared", "data.path": str(out), "data.seq_len": 8}
+    rows = len(PackedSource(str(out / "eval"), 8))
+    fits, too_big = 8 * (rows // 8), 8 * (rows // 8 + 1)  # batches cpu_tiny's mesh divides
+    assert fits >= 8
+    cfg = config_lib.load(os.path.join(REPO, "configs", "cpu_tiny.py"),
+                          {**flags, "data.global_batch": fits})
+    assert data_splits(cfg, str(tmp_path / "run")).eval == str(out / "eval")
+    cfg = config_lib.load(os.path.join(REPO, "configs", "cpu_tiny.py"),
+                          {**flags, "data.global_batch": too_big})
+    with pytest.raises(DataError, match=rf"^{re.escape(str(out / 'eval'))}: {rows} rows of "
+                                        rf"data\.seq_len=8, fewer than one eval batch of "
+                                        rf"data\.global_batch={too_big}; "):
+        data_splits(cfg, str(tmp_path / "run"))
 
 
 def test_prepare_refuses_to_overwrite_existing_splits(tmp_path, capsys):

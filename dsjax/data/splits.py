@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from dsjax.config import Config, mix_weights
+from dsjax.data.shards import PackedSource
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
 from dsjax.data.vl_sources import build_vl_sources
 from dsjax.errors import DataError
@@ -73,6 +74,21 @@ def _check_vocab(cfg: Config, meta: dict, where: str) -> None:
                         f"set vision.tower='siglip'")
 
 
+def _check_eval_size(cfg: Config, meta: dict, eval_dir: str) -> None:
+    """A held-out text split too small for one eval batch stops the run before its first step,
+    not after its last. (A multimodal split's rows depend on the model's media layout; its reader
+    checks it.)"""
+    if "image_token_id" in meta:
+        return
+    d = cfg.data
+    rows = len(PackedSource(eval_dir, d.seq_len))
+    if rows < d.global_batch:
+        raise DataError(f"{eval_dir}: {rows} rows of data.seq_len={d.seq_len}, fewer than one "
+                        f"eval batch of data.global_batch={d.global_batch}; prepare more held-out "
+                        f"text (prepare --eval_fraction or --eval_input), or lower data.seq_len "
+                        f"or data.global_batch")
+
+
 def data_splits(cfg: Config, workdir: str) -> Splits:
     """The train and held-out split directories for `cfg.data` (builds the stdlib corpus once)."""
     if cfg.data.source == "stdlib":
@@ -94,12 +110,14 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
             path = os.path.join(cfg.data.path, name)
             meta = _check_prepared(path, path)
             _check_vocab(cfg, meta, os.path.join(path, "train"))
+            _check_eval_size(cfg, meta, os.path.join(path, "eval"))
             tokenizer = meta["tokenizer"]
             sources.append((name, os.path.join(path, "train"), os.path.join(path, "eval")))
         return Splits("", "", tokenizer, tuple(sources))
     meta = _check_prepared(cfg.data.path, cfg.data.path)
     train, held_out = os.path.join(cfg.data.path, "train"), os.path.join(cfg.data.path, "eval")
     _check_vocab(cfg, meta, train)
+    _check_eval_size(cfg, meta, held_out)
     return Splits(train, held_out, meta["tokenizer"])
 
 
