@@ -100,6 +100,8 @@ CASES = [
      "model.vocab_size: 512 is smaller than the data's tokenizer vocabulary 70000"),
     ("checkpoint_of_another_model", {"model.mlp_dim": 256}, [],
      "model.mlp_dim: checkpoint has 128, config has 256"),
+    ("checkpoint_of_other_data", {"data.source": "prepared", "data.path": "PREPARED:good"}, [],
+     "was trained on other data (data.source was 'stdlib', now 'prepared'; data.path was "),
     ("workdir_not_writable", {}, ["WORKDIR_UNDER_FILE"], "--workdir"),
     ("disk_full_during_save", {"train.steps": 4}, ["FSIZE"],
      "could not write checkpoint step 4 to"),
@@ -109,7 +111,7 @@ CASES = [
 # The cases that fail inside `train.run`, after the model was built (its "dsjax: config ..." line),
 # where the data is read and the checkpoint restored or saved.
 REACH_RUN = {"data_path_missing", "empty_data_file", "token_ids_beyond_vocab", "tokenizer_vs_model",
-             "checkpoint_of_another_model", "disk_full_during_save"}
+             "checkpoint_of_another_model", "checkpoint_of_other_data", "disk_full_during_save"}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,9 @@ def outcomes(tmp_path_factory):
     rng = np.random.default_rng(0)
     text = str(root / "docs.txt")
     _write_text(text, rng)
-    prepared = {}
+    prepared = {"good": str(root / "prepared_good")}
+    prepare_text(text, "text", "byte", prepared["good"], eval_fraction=0.2,
+                 split_on_blank_lines=True)
     for how in ("empty", "beyond_vocab"):
         prepared[how] = str(root / f"prepared_{how}")
         prepare_text(text, "text", "byte", prepared[how], eval_fraction=0.2,

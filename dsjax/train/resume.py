@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from dsjax import checkpoint as ckpt
 from dsjax import sharding
-from dsjax.config import Config
+from dsjax.config import Config, ConfigError
 from dsjax.optim import OneBitAdamState
 from dsjax.train.step import TrainState
 
@@ -29,15 +29,33 @@ Path = tuple[str, ...]
 # train_layout key -> the config field it records
 FIELDS = {"optimizer": "optim.name", "compute_dtype": "train.compute_dtype",
           "fp8_recipe": "fp8.recipe", "fp8_history_len": "fp8.history_len",
-          "batch_policy": "batch.policy"}
+          "batch_policy": "batch.policy", "data_source": "data.source", "data_path": "data.path",
+          "data_mix": "data.mix", "data_tokenizer": "data.tokenizer"}
+# What the data cursor counts through: a checkpoint trained on other data does not continue.
+DATA_KEYS = ("data_source", "data_path", "data_mix", "data_tokenizer")
 
 
 def train_layout(cfg: Config) -> dict[str, Any]:
     """The settings that decide the tree of the checkpoint's `train` item (and what the batch
-    controller's state means), written into every step's meta so a resume can name a change."""
+    controller's and the data cursor's states mean), written into every step's meta so a resume
+    can name a change."""
     return {"optimizer": cfg.optim.name, "compute_dtype": cfg.train.compute_dtype,
             "fp8_recipe": cfg.fp8.recipe, "fp8_history_len": cfg.fp8.history_len,
-            "batch_policy": cfg.batch.policy}
+            "batch_policy": cfg.batch.policy, "data_source": cfg.data.source,
+            "data_path": cfg.data.path, "data_mix": cfg.data.mix,
+            "data_tokenizer": cfg.data.tokenizer}
+
+
+def check_same_data(saved: dict | None, here: dict | None, where: str, directory: str) -> None:
+    """ConfigError, in one line naming the fields, when the checkpoint was trained on other data
+    (its cursor would index another stream). A checkpoint older than the record passes."""
+    differ = [k for k in DATA_KEYS if saved and here and k in saved and saved[k] != here.get(k)]
+    if differ:
+        what = "; ".join(f"{FIELDS[k]} was {saved[k]!r}, now {here.get(k)!r}" for k in differ)
+        raise ConfigError(
+            f"{where} was trained on other data ({what}); nothing was changed. Train on this "
+            f"data in a new --workdir (--config.checkpoint.init_from={directory} starts it from "
+            f"these weights), or resume with the data fields that wrote it")
 
 
 def train_extras(state: TrainState) -> dict[str, Any]:
@@ -182,6 +200,8 @@ def resume(checkpointer: ckpt.Checkpointer, state: TrainState, mesh: Mesh, model
         try:
             meta = checkpointer.read_meta(start)
             ckpt.check_model(meta, model_cfg, where)
+            check_same_data(meta.get("train_layout"), checkpointer.train_layout, where,
+                            checkpointer.directory)
             sources, counters, notes = continuation(
                 checkpointer.saved_leaves(start, "train"), ckpt.leaves_by_path(extras),
                 meta.get("train_layout"), checkpointer.train_layout, where,
