@@ -5,7 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
-WORKDIR ?= runs/cpu_tiny
+# Empty: launch.py picks runs/NAME from --config (runs/cpu_tiny without one, runs/cpu_moe for
+# ARGS="--config configs/cpu_moe.py"), so another config never resumes cpu_tiny's run.
+WORKDIR ?=
 ARGS ?=
 
 .PHONY: train test clean
@@ -24,7 +26,7 @@ $(TEST_STAMP): pyproject.toml $(RUN_STAMP)
 	touch $@
 
 train: $(RUN_STAMP)
-	$(PY) launch.py --workdir $(WORKDIR) $(ARGS)
+	$(PY) launch.py $(if $(WORKDIR),--workdir $(WORKDIR)) $(ARGS)
 
 # A test whose worker process dies (XLA:CPU aborting a collective after its 40 s rendezvous
 # timeout, not an assertion) runs once more on a fresh worker and is reported as a rerun;

@@ -85,8 +85,8 @@ def _check_eval_size(cfg: Config, meta: dict, eval_dir: str) -> None:
     if rows < d.global_batch:
         raise DataError(f"{eval_dir}: {rows} rows of data.seq_len={d.seq_len}, fewer than one "
                         f"eval batch of data.global_batch={d.global_batch}; prepare more held-out "
-                        f"text (prepare --eval_fraction or --eval_input), or lower data.seq_len "
-                        f"or data.global_batch")
+                        f"text (a larger prepare --eval_fraction), or lower data.seq_len or "
+                        f"data.global_batch")
 
 
 def data_splits(cfg: Config, workdir: str) -> Splits:
