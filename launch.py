@@ -83,7 +83,7 @@ def main(argv):
         # Local: these import JAX, which may start only now that XLA_FLAGS is final.
         import jax  # pylint: disable=g-import-not-at-top
         from dsjax import metrics, sharding  # pylint: disable=g-import-not-at-top
-        metrics.log(distributed.describe_layout(sharding.make_mesh(cfg)))
+        metrics.log(sharding.describe_layout(sharding.make_mesh(cfg)))
         metrics.log(xla_flags.summary(cfg.mesh.xla_profile))
         workdir = FLAGS.workdir or default_workdir(name)
         if not FLAGS.verbose:

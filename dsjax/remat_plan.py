@@ -28,8 +28,9 @@ from dsjax.config import Config, ConfigError
 from dsjax.metrics.flops import compiled_flops
 from dsjax.metrics.memory import device_memory_bytes
 from dsjax.model.build import make_model
+from dsjax.model.batch import BATCH_KEYS, abstract_arrays, media_layout
 from dsjax.model.decoder import abstract_params, count_params
-from dsjax.model.loss import BATCH_KEYS, ModelLoss, loss_fn, media_layout
+from dsjax.model.loss import ModelLoss, loss_fn
 
 # (policy, layers) pairs the planner considers, from no recomputation to full recomputation.
 CANDIDATES = (("none", "all"), ("dots", "all"), ("dots_no_batch", "all"),
@@ -69,14 +70,9 @@ def compile_grad(cfg: Config, mesh: Mesh, unroll: bool = False) -> Any:
     shardings = sharding.param_shardings(boxed, mesh, rules)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nn.unbox(boxed), shardings)
-    shape = (cfg.data.global_batch, cfg.data.seq_len)
-    bs = sharding.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
-                                     sharding=bs)
-             for k in BATCH_KEYS}
-    # a vision model's pixels
-    for k, (dims, dtype) in media_layout(cfg.vision, cfg.data.seq_len).items():
-        batch[k] = jax.ShapeDtypeStruct((shape[0], *dims), dtype, sharding=bs)
+    media = media_layout(cfg.vision, cfg.data.seq_len)  # a vision model's pixels
+    batch = abstract_arrays({k: sharding.batch_sharding(mesh) for k in BATCH_KEYS + tuple(media)},
+                            (cfg.data.global_batch,), cfg.data.seq_len, media)
     grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, ModelLoss(model), b)[0])
     with sharding.activate(mesh, rules):
         return jax.jit(grad_fn, out_shardings=(sharding.replicated(mesh), shardings)).lower(
@@ -123,7 +119,7 @@ def cost_analysis_flops(cfg: Any, mesh: Any) -> float:
 def static_bytes_per_device(cfg: Config, mesh: Mesh) -> float:
     """Params + gradients + two Adam moments in float32, over the devices that shard them."""
     n = count_params(abstract_params(cfg.model))
-    shards = mesh.shape["tensor"] * (mesh.shape["data"] if cfg.mesh.fsdp else 1)
+    shards = mesh.shape[sharding.TENSOR] * (sharding.data_size(mesh) if cfg.mesh.fsdp else 1)
     return 16.0 * n / shards
 
 

@@ -24,35 +24,37 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dsjax.config import Config, ConfigError
 
-MESH_AXES = ("data", "tensor", "pipeline")
+# The mesh axes: spelled here only; everything else names them through these constants.
+DATA, TENSOR, PIPELINE = "data", "tensor", "pipeline"
+MESH_AXES = (DATA, TENSOR, PIPELINE)
 
 # Logical name -> mesh axis (or None: replicated). Parameters first, then activations.
 # Keep it short and free of duplicate keys; `fsdp` and `pipeline` each add exactly one override
 # (see `logical_rules`).
 RULES: tuple[tuple[str, str | None], ...] = (
-    ("vocab", "tensor"),
+    ("vocab", TENSOR),
     ("embed", None),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
+    ("heads", TENSOR),
+    ("kv_heads", TENSOR),
     ("head_dim", None),
-    ("mlp", "tensor"),
+    ("mlp", TENSOR),
     ("norm", None),
     # MoE experts over the data axis, as DeepSpeed-MoE and MaxText do: tokens are already split
     # over it, so the all-to-all stays inside the data-parallel group (docs/moe.md).
-    ("expert", "data"),
+    ("expert", DATA),
     ("layers", None),  # with mesh.pipeline > 1: "pipeline" (stages, dsjax/pipeline/)
     ("extra_layers", None),  # stacks every stage holds whole: MoE's dense first blocks, MTP
     ("vision_embed", None),  # the SigLIP tower and projector (dsjax/model/vision/)
-    ("vision_heads", "tensor"),
-    ("vision_mlp", "tensor"),
+    ("vision_heads", TENSOR),
+    ("vision_mlp", TENSOR),
     ("vision_layers", None),
-    ("act_batch", "data"),
+    ("act_batch", DATA),
     ("act_seq", None),
     ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
+    ("act_heads", TENSOR),
+    ("act_kv_heads", TENSOR),
+    ("act_mlp", TENSOR),
+    ("act_vocab", TENSOR),
 )
 
 
@@ -60,29 +62,24 @@ def logical_rules(fsdp: bool = False, pipeline: bool = False
                   ) -> tuple[tuple[str, str | None], ...]:
     """The rules table; with `fsdp` the parameters' "embed" axis is also sharded over `data`,
     with `pipeline` (mesh.pipeline > 1) the "layers" axis is split into contiguous stages."""
-    overrides = {**({"embed": "data"} if fsdp else {}),
-                 **({"layers": "pipeline"} if pipeline else {})}
+    overrides = {**({"embed": DATA} if fsdp else {}),
+                 **({"layers": PIPELINE} if pipeline else {})}
     return tuple((name, overrides.get(name, axis)) for name, axis in RULES)
 
 
-def validate_mesh(cfg: Config, num_devices: int) -> None:
-    """Checks that need the device count; each failure names the field."""
-    mesh, m = cfg.mesh, cfg.model
+def data_size(mesh: Mesh) -> int:
+    """Data-parallel replicas: the size of the mesh's `data` axis."""
+    return int(mesh.shape[DATA])
+
+
+def check_device_count(cfg: Config, num_devices: int) -> None:
+    """The one mesh check that needs the devices (the rest are `dsjax.config.validate`'s)."""
+    mesh = cfg.mesh
     product = mesh.data * mesh.tensor * mesh.pipeline
     if product != num_devices:
         raise ConfigError(
             f"mesh: data*tensor*pipeline = {mesh.data}*{mesh.tensor}*{mesh.pipeline} = {product} "
             f"must equal the device count {num_devices} (set mesh.data, mesh.tensor, mesh.pipeline)")
-    for field, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
-                         ("model.mlp_dim", m.mlp_dim), ("model.vocab_size", m.vocab_size)):
-        if value % mesh.tensor:
-            raise ConfigError(f"{field}: {value} is not divisible by mesh.tensor {mesh.tensor}")
-    if cfg.data.global_batch % mesh.data:
-        raise ConfigError(f"data.global_batch: {cfg.data.global_batch} is not divisible by "
-                          f"mesh.data {mesh.data}")
-    if mesh.fsdp and m.hidden_size % mesh.data:
-        raise ConfigError(f"model.hidden_size: {m.hidden_size} is not divisible by mesh.data "
-                          f"{mesh.data} (needed by mesh.fsdp)")
 
 
 def host_split(cfg: Config, num_devices: int, num_processes: int) -> tuple[int, int]:
@@ -111,14 +108,12 @@ def host_split(cfg: Config, num_devices: int, num_processes: int) -> tuple[int, 
                           f"devices per host = {num_devices} devices / {hosts} hosts): tensor "
                           f"groups all-reduce in every layer and stay on intra-host links (one "
                           f"process per GPU? set mesh.dcn_data to the number of nodes)")
-    auto = " (0: one host per process)" if not mesh.dcn_data else ""
-    if mesh.data % dcn_data:
+    # An explicit dcn_data (and dcn_pipeline) is checked against mesh.data by the config's
+    # validation; only the one resolved here from the process count is new.
+    if not mesh.dcn_data and mesh.data % dcn_data:
         raise ConfigError(f"mesh.dcn_data: mesh.data {mesh.data} must split evenly over the "
-                          f"{dcn_data} hosts it spans{auto}; raise mesh.data or set "
-                          f"mesh.dcn_pipeline")
-    if mesh.pipeline % mesh.dcn_pipeline:
-        raise ConfigError(f"mesh.dcn_pipeline: mesh.pipeline {mesh.pipeline} must split evenly "
-                          f"over the {mesh.dcn_pipeline} hosts it spans")
+                          f"{dcn_data} hosts it spans (0: one host per process); raise "
+                          f"mesh.data or set mesh.dcn_pipeline")
     return dcn_data, mesh.dcn_pipeline
 
 
@@ -160,11 +155,50 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 def mesh_devices(cfg: Config, devices: Sequence[Any]) -> np.ndarray:
     """`make_mesh`'s device array (data, tensor, pipeline), checked against the config."""
-    validate_mesh(cfg, len(devices))
+    check_device_count(cfg, len(devices))
     dcn_data, dcn_pipeline = host_split(cfg, len(devices),
                                         len({d.process_index for d in devices}))
     ici = (cfg.mesh.data // dcn_data, cfg.mesh.tensor, cfg.mesh.pipeline // dcn_pipeline)
     return hybrid_device_grid(devices, ici, (dcn_data, 1, dcn_pipeline))
+
+
+def describe_layout(mesh: Mesh) -> str:
+    """Which process owns each mesh position, for the start-of-run log.
+
+    One line per process (its devices and their mesh coordinates), then how many processes each
+    axis's groups span, and whether every `tensor` group lies inside one process: tensor
+    parallelism all-reduces every layer, so a group that spans processes puts that traffic on
+    the slow inter-host links. `mesh` needs only `devices`, `axis_names` and `shape`.
+    """
+    owner = _owners(mesh)
+    names = list(mesh.axis_names)
+    lines = [f"mesh {dict(mesh.shape)} over {owner.max() + 1} process(es)"]
+    for p in range(int(owner.max()) + 1):
+        coords = [tuple(int(c) for c in idx) for idx in zip(*np.nonzero(owner == p))]
+        devices = [int(mesh.devices[c].id) for c in coords]
+        where = ", ".join(f"{d}@({','.join(map(str, c))})" for d, c in zip(devices, coords))
+        lines.append(f"  process {p}: {len(devices)} devices, id@({','.join(names)}): {where}")
+    spans = ", ".join(f"{name} {processes_per_group(mesh, name)}" for name in names)
+    lines.append(f"  processes per group along each axis: {spans}")
+    lines.append(f"  tensor groups within one process: "
+                 f"{'yes' if tensor_groups_local(mesh) else 'NO (tensor all-reduces cross hosts)'}")
+    return "\n".join(lines)
+
+
+def _owners(mesh):
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def processes_per_group(mesh, axis: str) -> int:
+    """The most processes any group along `axis` (all other coordinates fixed) spans."""
+    owner = np.moveaxis(_owners(mesh), list(mesh.axis_names).index(axis), -1)
+    rows = owner.reshape(-1, owner.shape[-1])
+    return max(len(set(row.tolist())) for row in rows)
+
+
+def tensor_groups_local(mesh) -> bool:
+    """True if the devices of every `tensor` group (all else fixed) share one process."""
+    return processes_per_group(mesh, TENSOR) == 1
 
 
 # 1-bit Adam's hierarchical reduction sees `data` as two axes: hosts (slow links, 1-bit) x data
@@ -180,10 +214,10 @@ def host_view(mesh: Mesh, hosts: int) -> Mesh:
     layout a DATA_LOCAL group is the data workers of one host.
     """
     sizes = dict(mesh.shape)
-    if sizes["data"] % hosts:
-        raise ConfigError(f"mesh.dcn_data: mesh.data {sizes['data']} must split evenly over "
+    if sizes[DATA] % hosts:
+        raise ConfigError(f"mesh.dcn_data: mesh.data {sizes[DATA]} must split evenly over "
                           f"{hosts} hosts")
-    shape = (hosts, sizes["data"] // hosts) + tuple(sizes[a] for a in MESH_AXES[1:])
+    shape = (hosts, sizes[DATA] // hosts) + tuple(sizes[a] for a in MESH_AXES[1:])
     return Mesh(mesh.devices.reshape(shape), (DATA_HOSTS, DATA_LOCAL) + MESH_AXES[1:],
                 axis_types=(AxisType.Auto,) * (len(MESH_AXES) + 1))
 
@@ -201,7 +235,7 @@ def hierarchical_view(cfg: Config, mesh: Mesh) -> Mesh:
 
 def from_host_view(spec: P) -> P:
     """A PartitionSpec on `host_view`'s axes -> the same sharding on the mesh's axes."""
-    return P(*("data" if entry == (DATA_HOSTS, DATA_LOCAL) else entry for entry in spec))
+    return P(*(DATA if entry == (DATA_HOSTS, DATA_LOCAL) else entry for entry in spec))
 
 
 @contextlib.contextmanager
@@ -235,7 +269,7 @@ def param_shardings(abstract_boxed: Any, mesh: Mesh, rules) -> Any:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Input batches: [batch, seq] with batch over `data`."""
-    return NamedSharding(mesh, P("data", None))
+    return NamedSharding(mesh, P(DATA, None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -15,7 +15,7 @@ from dsjax import remat, train
 from dsjax.config import ConfigError
 from dsjax.model import attention
 from dsjax.model.build import make_model
-from dsjax.model.layers import Attention
+from dsjax.model.layers import Attention, AttentionCore
 from dsjax.model.mla import MLA
 
 # float32 everywhere: impls differ only in summation order (blockwise online softmax), measured
@@ -31,7 +31,7 @@ def _inputs(batch, seq, width, seed=0):
 
 
 def _module(kind, impl):
-    blocks = dict(attention_impl=impl, attention_block_q=16, attention_block_k=8)
+    blocks = dict(core=AttentionCore(impl, block_q=16, block_k=8))
     if kind == "mla":  # qk 24 = nope 16 + rope 8, v 16 (U != K)
         return MLA(num_heads=4, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=16,
                    qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0, norm_eps=1e-6,

@@ -58,9 +58,9 @@ def test_detect_rejects_incomplete_settings(args, env, match):
 
 def test_layout_of_a_single_process_mesh():
     mesh = jax.make_mesh((4, 2, 1), MESH_AXES, devices=jax.devices()[:8])
-    text = distributed.describe_layout(mesh)
+    text = sharding.describe_layout(mesh)
     assert "over 1 process(es)" in text and "process 0: 8 devices" in text
-    assert distributed.tensor_groups_local(mesh)
+    assert sharding.tensor_groups_local(mesh)
 
 
 def _launch_processes(workdir, flags, num_processes, logdir, timeout_s=240, while_running=None):
@@ -213,11 +213,11 @@ def test_hybrid_mesh_keeps_tensor_groups_inside_a_process():
     cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py", {"mesh.data": 4, "mesh.tensor": 2,
                                                           "mesh.pipeline": 1})
     plain = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(4, 2, 1)
-    assert "tensor groups within one process: NO" in distributed.describe_layout(
+    assert "tensor groups within one process: NO" in sharding.describe_layout(
         _fake_mesh(plain))
 
     grid = sharding.mesh_devices(cfg, devices)
-    text = distributed.describe_layout(_fake_mesh(grid))
+    text = sharding.describe_layout(_fake_mesh(grid))
     assert "tensor groups within one process: yes" in text, text
     assert "processes per group along each axis: data 2, tensor 1, pipeline 1" in text, text
     # process 0 owns data rows 0-1, process 1 rows 2-3 (data = host * 2 + index in the host)
@@ -241,7 +241,7 @@ def test_hosts_of_several_processes_and_the_tensor_limit():
     grid = sharding.mesh_devices(cfg, devices)
     owner = np.vectorize(lambda d: d.process_index)(grid)
     assert set(owner[0].flat) == {0, 1} and set(owner[1].flat) == {2, 3}
-    assert distributed.processes_per_group(_fake_mesh(grid), "tensor") == 2
+    assert sharding.processes_per_group(_fake_mesh(grid), "tensor") == 2
 
     # The default (one host per process) cannot hold a tensor group of 4 on 2 GPUs.
     with pytest.raises(ConfigError, match=r"^mesh.tensor: 4 must fit inside one host \(2 dev"):

@@ -921,6 +921,6 @@ def test_resume_on_another_data_size_resets_the_errors(smoke_run, tmp_path):
     assert records[0]["loss"] == pytest.approx(read_records(workdir)[4]["loss"], abs=0.05)
     # The run went on and checkpointed its own layout: 8 workers' rows.
     checkpointer = Checkpointer(os.path.join(resumed, "checkpoints"))
-    layout = checkpointer.read_meta(6)["errors_layout"]
+    layout = checkpointer.step_meta(6)["errors_layout"]
     checkpointer.close()
     assert layout["mesh"]["data"] == 4 and all(shape[0] == 4 for shape in layout["shapes"])

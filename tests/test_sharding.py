@@ -1,5 +1,6 @@
 """Invariant 1: the mesh shape never changes the math."""
 
+import ast
 import json
 import os
 import re
@@ -151,3 +152,78 @@ def test_hierarchical_onebit_is_exact_inside_a_host_and_1bit_across_hosts():
     to_all, scatter = _replica_groups(text, "all_to_all"), _replica_groups(text, "reduce_scatter")
     assert to_all and all(sorted(i // 4 for i in g) == [0, 1] for g in to_all)
     assert scatter and all(len({i // 4 for i in g}) == 1 and len(g) == 2 for g in scatter)
+
+
+# --- only sharding.py spells a mesh axis -------------------------------------------------------
+
+AXIS_CALLS = {"P", "PartitionSpec", "NamedSharding", "Mesh", "psum", "pmean", "pmax", "ppermute",
+              "all_gather", "all_to_all", "psum_scatter", "axis_index", "axis_size", "pcast",
+              "shard_map"}
+
+
+def _call_name(node):
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def mesh_axis_spellings(source: str) -> list[int]:
+    """Lines where a mesh axis name is written as a string in a mesh context: an index into a
+    `.shape`, an argument of a PartitionSpec / collective / function of a mesh, an `axis*`
+    argument or default, a constant bound to a name, or a (name, None) spec tuple. Other uses of
+    the words (config sections, source names, directories, checkpoint items) are not axes."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    hits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and node.value in sharding.MESH_AXES):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.keyword):
+            flagged = "axis" in (parent.arg or "")
+        elif isinstance(parent, ast.Subscript):
+            flagged = isinstance(parent.value, ast.Attribute) and parent.value.attr == "shape"
+        elif isinstance(parent, ast.Call):
+            flagged = _call_name(parent) in AXIS_CALLS or any(
+                "mesh" in ast.unparse(a) for a in parent.args if a is not node)
+        elif isinstance(parent, (ast.Assign, ast.AnnAssign)):
+            flagged = True
+        elif isinstance(parent, ast.arguments):
+            args = parent.posonlyargs + parent.args
+            named = dict(zip(map(id, parent.defaults), args[len(args) - len(parent.defaults):]))
+            named.update((id(d), a) for d, a in zip(parent.kw_defaults, parent.kwonlyargs) if d)
+            flagged = "axis" in named[id(node)].arg if id(node) in named else False
+        elif isinstance(parent, ast.Tuple):
+            flagged = any(isinstance(e, ast.Constant) and e.value is None for e in parent.elts)
+        else:
+            flagged = False
+        if flagged:
+            hits.append(node.lineno)
+    return hits
+
+
+def test_no_mesh_axis_name_is_spelled_outside_sharding():
+    package = os.path.join(ROOT, "dsjax")
+    found = {}
+    for d, _, names in os.walk(package):
+        for n in names:
+            path = os.path.join(d, n)
+            if n.endswith(".py") and path != os.path.join(package, "sharding.py"):
+                lines = mesh_axis_spellings(open(path, encoding="utf-8").read())
+                if lines:
+                    found[os.path.relpath(path, ROOT)] = lines
+    assert not found, f"use sharding.DATA / TENSOR / PIPELINE (or data_size) instead: {found}"
+
+
+@pytest.mark.parametrize("line", [
+    'n = mesh.shape["data"]', 'spec = P("data", None)', 'DATA = "data"',
+    'axes = ("tensor", None)', 'y = lax.psum(x, "pipeline")', 'f(x, axis_name="data")',
+    'def f(x, axis_name="data"): pass', 'ok = processes_per_group(mesh, "tensor")',
+])
+def test_the_axis_check_sees_each_spelling(line):
+    assert mesh_axis_spellings(line) == [1]
+
+
+def test_the_axis_check_leaves_other_words_alone():
+    source = ('_bounds("data", d, positive="seq_len")\npaths = {"data": train}\n'
+              'os.path.join(workdir, "data", "vl")\nITEMS = ("params", "data")\n')
+    assert mesh_axis_spellings(source) == []

@@ -17,7 +17,8 @@ from dsjax import config as config_lib
 from dsjax import convert, pipeline, sharding
 from dsjax.data.tiling import feature_rows, image_tokens, num_views
 from dsjax.model import Transformer
-from dsjax.model.loss import ModelLoss, loss_fn, media_layout
+from dsjax.model.batch import media_layout
+from dsjax.model.loss import ModelLoss, loss_fn
 from dsjax.model.vision import VisionSpec, insert_tiled_features
 from dsjax.train import build_trainer
 

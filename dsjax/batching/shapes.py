@@ -12,9 +12,10 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dsjax.model.batch import abstract_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +69,12 @@ def abstract_batch(batch_shardings: dict[str, NamedSharding], shape: Shape, seq_
                    media: dict[str, tuple[tuple[int, ...], Any]] | None = None
                    ) -> dict[str, jax.ShapeDtypeStruct]:
     """A step's input for `shape` as abstract arrays with their shardings (for lowering): [B, S]
-    token arrays, and per `media` key (dsjax.model.loss.media_layout) [B, *dims] of its dtype."""
+    token arrays, and per `media` key (dsjax.model.batch.media_layout) [B, *dims] of its dtype;
+    with accumulation [k, B/k, ...]."""
     accumulating = shape.accum_steps > 1
     lead = (shape.accum_steps, shape.rows) if accumulating else (shape.batch,)
-    media = media or {}
-
-    def spec(key, base):
-        dims, dtype = media.get(key, ((seq_len,), jnp.float32 if key == "weights" else jnp.int32))
-        return jax.ShapeDtypeStruct(lead + tuple(dims), dtype,
-                                    sharding=step_sharding(base, accumulating))
-    return {k: spec(k, s) for k, s in batch_shardings.items()}
+    return abstract_arrays({k: step_sharding(s, accumulating) for k, s in batch_shardings.items()},
+                           lead, seq_len, media)
 
 
 def batch_shape(batch: dict[str, Any], data: int) -> Shape:

@@ -5,11 +5,11 @@ and crash safety by sealing (seal). Weights only: `restore_params` / `save_param
 from dsjax.checkpoint.checkpointer import (ITEMS, Checkpointer, all_finite, restore_params,
                                            save_params)
 from dsjax.checkpoint.meta import (check_model, find_steps, item_leaves, key_path, leaves_by_path,
-                                   mismatch, model_meta, read_meta, tree_difference)
+                                   mismatch, model_meta, try_read_meta, tree_difference)
 from dsjax.checkpoint.seal import MANIFEST, TMP_SUFFIX, incomplete_entries, seal, verify
 from dsjax.errors import CheckpointCorrupt, CheckpointError
 
 __all__ = ["ITEMS", "MANIFEST", "TMP_SUFFIX", "CheckpointCorrupt", "CheckpointError",
            "Checkpointer", "all_finite", "check_model", "find_steps", "incomplete_entries",
-           "item_leaves", "key_path", "leaves_by_path", "mismatch", "model_meta", "read_meta",
-           "restore_params", "save_params", "seal", "tree_difference", "verify"]
+           "item_leaves", "key_path", "leaves_by_path", "mismatch", "model_meta",
+           "restore_params", "save_params", "seal", "tree_difference", "try_read_meta", "verify"]

@@ -31,10 +31,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from dsjax.checkpoint.meta import (check_model, find_steps, item_leaves, key_path, leaves_by_path,
-                                   mismatch, model_meta, read_meta, tree_difference)
+                                   mismatch, model_meta, try_read_meta, tree_difference)
 from dsjax.checkpoint.seal import incomplete_entries, seal, verify
 from dsjax.config import ModelConfig
 from dsjax.errors import CheckpointCorrupt, CheckpointError
+from dsjax.sharding import DATA
 
 ITEMS = ("params", "train", "errors", "data", "meta")
 
@@ -165,8 +166,8 @@ class Checkpointer:
                                   "Earlier checkpoints are intact.") from e
         self._unsealed = step
 
-    def read_meta(self, step: int) -> dict[str, Any]:
-        meta, why = read_meta(self.manager, step)
+    def step_meta(self, step: int) -> dict[str, Any]:
+        meta, why = try_read_meta(self.manager, step)
         if why is not None:
             raise CheckpointCorrupt(f"checkpoint step {step} in {self.directory}: its metadata "
                                     f"is unreadable ({why})")
@@ -196,7 +197,7 @@ class Checkpointer:
         tree. Any mismatch is a CheckpointError naming it (a config change), found before any
         array is read; only a file that then cannot be read is corruption."""
         where = f"checkpoint step {step} in {self.directory}"
-        check_model(self.read_meta(step), model, where)
+        check_model(self.step_meta(step), model, where)
         saved, here = self.saved_leaves(step, "train"), leaves_by_path(train)
         problem = tree_difference(self.saved_leaves(step, "params"), leaves_by_path(params))
         if problem is None and sources is None:
@@ -242,13 +243,13 @@ class Checkpointer:
         """1-bit Adam's error buffers of `step` onto the shardings of `errors`, if they were
         written with the same `layout`; else (None, why not) and nothing is read."""
         where = f"checkpoint step {step}"
-        saved = self.read_meta(step).get("errors_layout")
+        saved = self.step_meta(step).get("errors_layout")
         if saved is None or not os.path.isdir(os.path.join(self.directory, str(step), "errors")):
             return None, f"{where} has no 1-bit Adam error buffers"
         if saved != layout:
             old, new = saved.get("mesh", {}), layout.get("mesh", {})
-            if old.get("data") != new.get("data"):
-                why = f"mesh.data {old.get('data')}, this run has mesh.data {new.get('data')}"
+            if old.get(DATA) != new.get(DATA):
+                why = f"mesh.data {old.get(DATA)}, this run has mesh.data {new.get(DATA)}"
             elif saved.get("compress", "momentum") != layout.get("compress"):
                 why = (f"optim.compress={saved.get('compress', 'momentum')!r}, this run has "
                        f"{layout.get('compress')!r}")
@@ -286,7 +287,7 @@ def restore_params(directory: str, params: Any, model: ModelConfig, allow_fallba
         where = f"checkpoint step {step} in {directory}"
         problem = verify(os.path.join(directory, str(step)))
         if problem is None:
-            meta, why = read_meta(manager, step)
+            meta, why = try_read_meta(manager, step)
             if why is not None:
                 problem = f"its metadata is unreadable ({why})"
         if problem is None:

@@ -32,7 +32,7 @@ def find_steps(directory: str) -> tuple[str, ocp.CheckpointManager]:
     raise CheckpointError(f"no checkpoint found in {directory!r}")
 
 
-def read_meta(manager: ocp.CheckpointManager, step: int
+def try_read_meta(manager: ocp.CheckpointManager, step: int
               ) -> tuple[dict[str, Any] | None, str | None]:
     """(the `meta` item of `step`, None), or (None, why it is unreadable: "Type: message"), for
     each caller to report in its own terms (corrupt step, fallback, conversion error)."""

@@ -46,7 +46,7 @@ def _bounds(section: str, values: object, positive: str = "", non_negative: str 
 
 
 def validate(cfg: Config) -> None:
-    """Device-independent checks. Mesh-vs-devices checks are in `sharding.validate_mesh`."""
+    """Every config check but the one that needs the devices (`sharding.check_device_count`)."""
     validate_model(cfg)
     validate_mesh(cfg)
     validate_data(cfg)
@@ -134,6 +134,14 @@ def validate_mesh(cfg: Config) -> None:
         if hosts and getattr(cfg.mesh, key) % hosts:
             raise ConfigError(f"mesh.dcn_{key}: mesh.{key} {getattr(cfg.mesh, key)} must split "
                               f"evenly over the {hosts} hosts it spans")
+    mesh, m = cfg.mesh, cfg.model
+    for field, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                         ("model.mlp_dim", m.mlp_dim), ("model.vocab_size", m.vocab_size)):
+        if value % mesh.tensor:
+            raise ConfigError(f"{field}: {value} is not divisible by mesh.tensor {mesh.tensor}")
+    if mesh.fsdp and m.hidden_size % mesh.data:
+        raise ConfigError(f"model.hidden_size: {m.hidden_size} is not divisible by mesh.data "
+                          f"{mesh.data} (needed by mesh.fsdp)")
     one_of("mesh.xla_profile", cfg.mesh.xla_profile, xla_flags.PROFILES, "profile")
 
 

@@ -218,23 +218,34 @@ def _mtp_plan(cfg: ModelConfig, sizes: dict[str, int]) -> dict[str, tuple[Rule, 
     return plan
 
 
-def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """The dsjax params tree (path -> shape) as the model itself declares it, checked against
-    RULES so a new parameter in the decoder cannot be silently dropped by a conversion."""
-    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract_params(cfg)))[0]
-    shapes = {tuple(k.key for k in path): tuple(x.shape) for path, x in flat}
-    plan = tensor_plan(cfg)
-    covered = {rule.leaf for rule, _, _ in plan.values()}
-    if cfg.num_mtp_layers and not is_deepseek_moe(cfg):
-        raise ConvertError("model.num_mtp_layers: MTP modules are converted in the DeepSeek-V3 "
-                           "layout only (MLA and/or MoE models); a DeepSeek-LLM (Llama) "
-                           "checkpoint has no place for them")
-    odd = sorted(set(shapes) ^ covered)
-    for _, (rule, layer, hf_shape) in plan.items():
+def declared_shapes(abstract: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{leaf path: shape} of an abstract (boxed or not) params tree."""
+    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract))[0]
+    return {tuple(k.key for k in path): tuple(x.shape) for path, x in flat}
+
+
+def covered(shapes: dict[tuple[str, ...], tuple[int, ...]], plan: dict, table: str
+            ) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """`shapes`, once the plan covers every leaf and every rule fits its leaf (less its stacked
+    layer dims); else the first odd leaf, and `table`, the conversion table to update."""
+    odd = sorted(set(shapes) ^ {rule.leaf for rule, _, _ in plan.values()})
+    for rule, layer, hf_shape in plan.values():
         shape = shapes.get(rule.leaf, ())[len(np.atleast_1d(layer)) if layer is not None else 0:]
         if math.prod(shape) != math.prod(hf_shape):
             odd.append(rule.leaf)
     if odd:
         raise ConvertError(f"params/{'/'.join(odd[0])}: the dsjax model and the conversion table "
-                           "disagree about this parameter (update dsjax.convert.RULES)")
+                           f"disagree about this parameter (update {table})")
     return shapes
+
+
+def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The dsjax params tree (path -> shape) as the model itself declares it, checked against
+    RULES so a new parameter in the decoder cannot be silently dropped by a conversion."""
+    shapes = declared_shapes(abstract_params(cfg))
+    plan = tensor_plan(cfg)
+    if cfg.num_mtp_layers and not is_deepseek_moe(cfg):
+        raise ConvertError("model.num_mtp_layers: MTP modules are converted in the DeepSeek-V3 "
+                           "layout only (MLA and/or MoE models); a DeepSeek-LLM (Llama) "
+                           "checkpoint has no place for them")
+    return covered(shapes, plan, "dsjax.convert.RULES")

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dsjax.checkpoint import find_steps, read_meta, save_params
+from dsjax.checkpoint import find_steps, save_params, try_read_meta
 from dsjax.config import ModelConfig
 from dsjax.convert.hf_config import check_same_model, hf_config, model_config_from_hf
 from dsjax.convert.rules import DIM_NAMES, is_deepseek_moe, leaf_shapes, tensor_plan
@@ -236,7 +236,7 @@ def open_checkpoint(directory: str, step: int | None):
 
 
 def model_from_meta(manager, step: int, where: str) -> ModelConfig:
-    meta, why = read_meta(manager, step)
+    meta, why = try_read_meta(manager, step)
     if why is not None:
         raise ConvertError(f"{where}: no readable dsjax meta item ({why})")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -10,19 +10,18 @@ pooling head (`head.*`) is not used by DeepSeek-VL and has no dsjax leaf: import
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.convert.rules import Rule, tensor_plan
+from dsjax.convert.rules import Rule, covered, declared_shapes, tensor_plan
 from dsjax.errors import ConvertError
 from dsjax.model.decoder import Transformer
 from dsjax.model.vision import SiglipTower, VisionSpec
 
+VISION_TABLE = "dsjax.convert.vision_rules"  # named by a coverage error: the table to update
 _V = "encoder.layers.{i}."
 _T = ("vision_tower",)
 _L = _T + ("layers",)
@@ -99,30 +98,12 @@ def vl_tensor_plan(cfg: ModelConfig, spec: VisionSpec
     return {**plan, **vision_plan(spec, VL_TOWER, cfg.hidden_size)}
 
 
-def _declared(abstract: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract))[0]
-    return {tuple(k.key for k in path): tuple(x.shape) for path, x in flat}
-
-
-def _checked(shapes: dict, plan: dict) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """`shapes`, once every leaf is covered by the plan and every rule fits its leaf."""
-    odd = sorted(set(shapes) ^ {rule.leaf for rule, _, _ in plan.values()})
-    for rule, index, hf_shape in plan.values():
-        shape = shapes.get(rule.leaf, ())[0 if index is None else 1:]
-        if math.prod(shape) != math.prod(hf_shape):
-            odd.append(rule.leaf)
-    if odd:
-        raise ConvertError(f"params/{'/'.join(odd[0])}: the dsjax model and the conversion table "
-                           "disagree about this parameter (update dsjax.convert.vision_rules)")
-    return shapes
-
-
 def vl_leaf_shapes(cfg: ModelConfig, spec: VisionSpec) -> dict[tuple[str, ...], tuple[int, ...]]:
     """`leaf_shapes` of the DeepSeek-VL model (`Transformer` with `vision`)."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     model = Transformer(cfg, vision=spec)
     abstract = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
-    return _checked(_declared(abstract), vl_tensor_plan(cfg, spec))
+    return covered(declared_shapes(abstract), vl_tensor_plan(cfg, spec), VISION_TABLE)
 
 
 def tower_leaf_shapes(spec: VisionSpec) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -131,4 +112,5 @@ def tower_leaf_shapes(spec: VisionSpec) -> dict[tuple[str, ...], tuple[int, ...]
     pixels = jax.ShapeDtypeStruct((1, spec.image_size, spec.image_size, spec.num_channels),
                                   jnp.float32)
     abstract = jax.eval_shape(lambda x: tower.init(jax.random.key(0), x), pixels)["params"]
-    return _checked(_declared({"vision_tower": abstract}), vision_plan(spec, ""))
+    return covered(declared_shapes({"vision_tower": abstract}), vision_plan(spec, ""),
+                   VISION_TABLE)

@@ -17,7 +17,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from dsjax.checkpoint import read_meta, save_params, seal
+from dsjax.checkpoint import save_params, seal, try_read_meta
 from dsjax.config import ModelConfig
 from dsjax.convert.hf_config import check_same_model
 from dsjax.convert.rules import DIM_NAMES
@@ -130,7 +130,7 @@ def vision_orbax_to_hf(checkpoint: str, out_dir: str, dtype: str = "float32",
                            "(row-newline and view-separator rows), which transformers has no "
                            "class for; export supports DeepSeek-VL (vision.tiling=False) only")
     template = read_json(found[HF_CONFIG_COPY]) if found[HF_CONFIG_COPY] else None
-    meta, why = read_meta(manager, step)
+    meta, why = try_read_meta(manager, step)
     if why is not None:
         raise ConvertError(f"{where}: no readable dsjax meta item ({why})")
     tag = EXPORT_DTYPES[dtype]

@@ -1,5 +1,5 @@
 """How a document's image placeholders become decoder positions: the one expansion that packing
-(`mm_pack`) and caption scoring (`dsjax.grounding`) share.
+(`mm_pack`) and caption scoring (`dsjax.evaluate.grounding`) share.
 
 Untiled, each placeholder becomes `tokens_per_image` copies of itself, one per view slot filled in
 order, and the model fills them from the slots' features in order. With DeepSeek-VL2 tiling

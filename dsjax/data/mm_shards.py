@@ -40,7 +40,7 @@ import os
 import numpy as np
 
 from dsjax.errors import DataError
-from dsjax.data.shards import META, _save_npy, read_meta, token_dtype, write_meta
+from dsjax.data.shards import META, _save_npy, read_split_meta, token_dtype, write_meta
 from dsjax.data.mm_layout import views_per_image
 
 FORMAT = "dsjax-multimodal-v1"
@@ -192,7 +192,7 @@ class MultimodalWriter:
 
 def read_mm_meta(split_dir: str) -> dict:
     """Parses and checks meta.json of a multimodal split directory."""
-    return read_meta(split_dir, FORMAT, ("vocab_size", "dtype", "image_token_id",
+    return read_split_meta(split_dir, FORMAT, ("vocab_size", "dtype", "image_token_id",
                                          "frame_token_id", "image_size", "shards"),
                      "python -m dsjax.data.prepare --format multimodal")
 

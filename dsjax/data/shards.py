@@ -139,7 +139,7 @@ def write_meta(out_dir: str, meta: dict) -> dict:
     return meta
 
 
-def read_meta(split_dir: str, fmt: str = FORMAT,
+def read_split_meta(split_dir: str, fmt: str = FORMAT,
               keys: tuple[str, ...] = ("vocab_size", "dtype", "num_tokens", "shards"),
               how: str = "python -m dsjax.data.prepare") -> dict:
     """Parses and checks meta.json of a split directory of format `fmt`, which must have `keys`;
@@ -177,7 +177,7 @@ class PackedSource:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.split_dir = split_dir
         self.seq_len = int(seq_len)
-        self.meta = read_meta(split_dir)
+        self.meta = read_split_meta(split_dir)
         self._open(validate=True)
 
     def _open(self, validate: bool) -> None:

@@ -31,7 +31,7 @@ from dsjax.data.splits import prepared_max_tiles
 from dsjax.data.vl_corpus import DIRECTIONS, candidate_captions, record_text
 from dsjax.data.vl_sources import eval_labels
 from dsjax.errors import DataError
-from dsjax.model.loss import media_args
+from dsjax.model.batch import media_args
 
 
 def caption_batch(docs: list[tuple], seq_len: int, tokens_per_image: int, max_images: int,
@@ -182,7 +182,7 @@ def greedy_caption(trainer, params: Any, frames: np.ndarray, num_tokens: int,
                               spec.image_token_id, spec.frame_token_id, tok.eos_id,
                               prepared_max_tiles(cfg))
         length = int(batch["segment_ids"][0].sum()) - 1  # the eos caption_batch appended
-        batch = {k: np.repeat(v, trainer.mesh.shape["data"], axis=0) for k, v in batch.items()}
+        batch = {k: np.repeat(v, sharding.data_size(trainer.mesh), axis=0) for k, v in batch.items()}
         with sharding.activate(trainer.mesh, trainer.rules):
             logits = jax.device_get(_logits(trainer.eval_model, params,
                                             trainer.device_batch(batch)))

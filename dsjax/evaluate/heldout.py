@@ -85,7 +85,7 @@ def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> li
     copy (`make_array_from_callback`), and the next token comes back replicated, readable on all.
     """
     seq = trainer.cfg.data.seq_len
-    rows = trainer.mesh.shape["data"]
+    rows = sharding.data_size(trainer.mesh)
     apply_fn = trainer.eval_model.apply
     in_sharding = sharding.batch_sharding(trainer.mesh)
 

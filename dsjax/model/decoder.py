@@ -19,8 +19,8 @@ from dsjax.config import ModelConfig
 from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
 from dsjax.model.loss import AUX, head_nll
-from dsjax.model.layers import (ROUTED_EXPERTS, Attention, RMSNorm, SwiGLU, _param,
-                                prepare_fp8_weights, rms_norm)
+from dsjax.model.layers import (ROUTED_EXPERTS, Attention, AttentionCore, RMSNorm, SwiGLU,
+                                _param, prepare_fp8_weights, rms_norm)
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
 from dsjax.model.vision import SiglipTower, VisionSpec, make_projector, with_image_features
@@ -54,14 +54,13 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
-        core = dict(attention_impl=self.attention_impl, attention_block_q=self.attention_blocks[0],
-                    attention_block_k=self.attention_blocks[1])
+        core = AttentionCore(self.attention_impl, *self.attention_blocks)
         if self.mla:
-            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_policy=self.fp8_policy, **core,
+            attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_policy=self.fp8_policy, core=core,
                        name="attn")
         else:
             attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
-                             self.init_std, self.dtype, self.fp8_policy, **core, name="attn")
+                             self.init_std, self.dtype, self.fp8_policy, core, name="attn")
         h_BSD = x_BSD + attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
                              segment_ids_BS)
         h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)

@@ -10,6 +10,7 @@ head h // R.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -122,6 +123,23 @@ def apply_rope(x_BSHK: jax.Array, positions_BS: jax.Array, theta: float) -> jax.
     return (x * jnp.cos(angles_BS1K) + rotated * jnp.sin(angles_BS1K)).astype(x_BSHK.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionCore:
+    """The attention core as a layer runs it (GQA and MLA alike): its implementation, concrete
+    (attention.resolve_impl of model.attention_impl), and the flash tiles (model.attention_block_q
+    / _k). Hashable: a static field of the layers that hold it."""
+    impl: str = "xla"
+    block_q: int = 512
+    block_k: int = 512
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_BS: jax.Array, *,
+                 scale: float, dtype: Any, **rope_parts: jax.Array) -> jax.Array:
+        """softmax(q k^T * scale) v under the causal, segment-aware mask (`attention_core`)."""
+        return attention_core(q, k, v, segment_ids_BS, scale=scale, impl=self.impl,
+                              block_q=self.block_q, block_k=self.block_k, dtype=dtype,
+                              **rope_parts)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention with a causal, segment-aware mask; no biases."""
     num_heads: int
@@ -131,9 +149,7 @@ class Attention(nn.Module):
     init_std: float
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, v, o
-    attention_impl: str = "xla"  # concrete (attention.resolve_impl); the core's implementation
-    attention_block_q: int = 512  # flash tiles (model.attention_block_q / _k)
-    attention_block_k: int = 512
+    core: AttentionCore = AttentionCore()
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
@@ -154,9 +170,8 @@ class Attention(nn.Module):
         k_BTNK = checkpoint_name(apply_rope(k_BTNK, positions_BS, self.rope_theta), "k_proj")
         v_BTNK = checkpoint_name(v_BTNK, "v_proj")
 
-        ctx_BSHK = attention_core(q_BSHK, k_BTNK, v_BTNK, segment_ids_BS, scale=K ** -0.5,
-                                  impl=self.attention_impl, block_q=self.attention_block_q,
-                                  block_k=self.attention_block_k, dtype=self.dtype)
+        ctx_BSHK = self.core(q_BSHK, k_BTNK, v_BTNK, segment_ids_BS, scale=K ** -0.5,
+                             dtype=self.dtype)
         ctx_BSHK = checkpoint_name(ctx_BSHK, "attn_context")
         return checkpoint_name(_project(self, "o", "BSHK,HKD->BSD", ctx_BSHK, w_o), "attn_out")
 

@@ -15,39 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from dsjax import fp8
+from dsjax.model.batch import media_args
 from dsjax.model.chunked_loss import chunked_cross_entropy, output_logits
 
-# The arrays of one batch, each [B, S] (or [k, B/k, S] with accumulation): tokens in, next
-# tokens out, packed-document ids, positions within a document, and per-target loss weights.
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
-# A vision-language batch also has, per row, its view slots' raw pixels [M, H, W, C] (uint8),
-# which slots hold one [M] (bool), and with tiling each input position's feature row [S] (int32);
-# see `media_layout`.
-MEDIA_KEYS = ("pixels", "image_mask", "feature_index")
 AUX = "aux"  # the collection MoE/MTP models sow their auxiliary losses and expert loads into
-
-
-def media_layout(vision: Any, seq_len: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{key: (per-row dims, dtype)} of a batch's media arrays for a `VisionConfig` and rows of
-    `seq_len` inputs; {} for a text model. Every row has `vision.max_images` view slots (static
-    shapes under jit); tiling adds the feature row of each input position (dsjax.data.tiling)."""
-    if not vision.enabled:
-        return {}
-    M, H = vision.max_images, vision.image_size
-    layout = {"pixels": ((M, H, H, 3), jnp.uint8), "image_mask": ((M,), jnp.bool_)}
-    if vision.tiling:
-        layout["feature_index"] = ((seq_len,), jnp.int32)
-    return layout
-
-
-def media_args(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The model's keyword arguments for a batch's media arrays ({} for a text batch)."""
-    if "pixels" not in batch:
-        return {}
-    args = {"pixels_BMHWC": batch["pixels"], "image_mask_BM": batch["image_mask"]}
-    if "feature_index" in batch:
-        args["feature_index_BS"] = batch["feature_index"]
-    return args
 
 
 def weighted_cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,
@@ -118,10 +89,21 @@ class ModelLoss:
                         dtype=self.model.dtype, chunk=self.model.cfg.loss_chunk)
 
 
+def objective_value(nll: jax.Array, aux: dict[str, jax.Array]) -> jax.Array:
+    """THE training objective, what every step differentiates: the NLL term plus the model's
+    auxiliary losses (MoE balance, MTP, weighted; none for dense models)."""
+    return nll + aux.get("aux_loss", 0.0)
+
+
+def weigh_aux(aux: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
+    """A part's auxiliary terms weighted like its NLL (`weight`: its share of the tokens, or
+    its token count): the losses scale, expert loads are counts and add up unweighted."""
+    return {k: v if k == "moe_load" else v * weight for k, v in aux.items()}
+
+
 def loss_fn(params: Any, objective: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
             ) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token NLL over weighted positions plus the model's auxiliary losses (MoE
-    balance, MTP; none for dense models), and the weight sum. `objective`: a `ModelLoss` or a
-    `Pipelined`."""
+    """`objective_value` of a batch (mean next-token NLL over weighted positions plus the
+    auxiliary losses), and the weight sum. `objective`: a `ModelLoss` or a `Pipelined`."""
     loss, count, aux = objective.loss_and_aux(params, batch, fp8_meta)
-    return loss + aux.get("aux_loss", 0.0), count
+    return objective_value(loss, aux), count

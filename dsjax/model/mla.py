@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8
-from dsjax.model.attention import attention_core
-from dsjax.model.layers import RMSNorm, _param, _project
+from dsjax.model.layers import AttentionCore, RMSNorm, _param, _project
 
 Dtype = Any
 
@@ -110,9 +109,7 @@ class MLA(nn.Module):
     rope_mscale_all_dim: float = 0.0
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, o
-    attention_impl: str = "xla"  # concrete (attention.resolve_impl); the core's implementation
-    attention_block_q: int = 512  # flash tiles (model.attention_block_q / _k)
-    attention_block_k: int = 512
+    core: AttentionCore = AttentionCore()
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
@@ -161,9 +158,7 @@ class MLA(nn.Module):
         if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
             scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
         # [q_nope | q_pe] . [k_nope | k_pe]: the shared k_pe goes in on its own (attention.py)
-        ctx_BSHU = attention_core(q_nope_BSHA, k_nope_BTHA, v_BTHU, segment_ids_BS, scale=scale,
-                                  impl=self.attention_impl, block_q=self.attention_block_q,
-                                  block_k=self.attention_block_k, dtype=self.dtype,
-                                  q_pe_BSHP=q_pe_BSHP, k_pe_BTP=k_pe_BT1P[:, :, 0])
+        ctx_BSHU = self.core(q_nope_BSHA, k_nope_BTHA, v_BTHU, segment_ids_BS, scale=scale,
+                             dtype=self.dtype, q_pe_BSHP=q_pe_BSHP, k_pe_BTP=k_pe_BT1P[:, :, 0])
         ctx_BSHU = checkpoint_name(ctx_BSHU, "attn_context")
         return checkpoint_name(_project(self, "o", "BSHU,HUD->BSD", ctx_BSHU, w_o), "attn_out")

@@ -48,7 +48,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int,
         # Hierarchical: the axes of `sharding.host_view`, 1-bit across hosts and exact inside
         # one; the train step runs the optimizer on that view of the mesh (docs/multihost.md).
         axes = ((sharding.DATA_HOSTS, sharding.DATA_LOCAL) if cfg.hierarchical
-                else ("data", None))
+                else (sharding.DATA, None))
         return onebit_adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
                            freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax.optim.compressed_allreduce import (BucketPlan, compressed_mean, group_name,
                                               pad_multiple, plan_buckets)
-from dsjax.sharding import varying_axes
+from dsjax.sharding import DATA, varying_axes
 
 __all__ = ["OneBitAdam", "OneBitAdamState", "onebit_adam"]
 
@@ -289,7 +289,7 @@ class OneBitAdam:
 def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100_000,
                 bias_correction: bool = False, bucket_bytes: int = 32 * 2**20,
-                axis_name: Any = "data", fast_axis: Any = None,
+                axis_name: Any = DATA, fast_axis: Any = None,
                 weight_decay_mask: Any = None, error_feedback: bool = True,
                 compress: str = "momentum", refresh_every: int = 0,
                 refresh_catchup: bool = False, update_bound: bool = False) -> OneBitAdam:

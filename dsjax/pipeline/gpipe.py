@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax.model.decoder import embed_tokens
-from dsjax.model.loss import BATCH_KEYS
+from dsjax.model.batch import BATCH_KEYS
 from dsjax.pipeline.stages import (FRONT_BATCH_KEYS, STAGE, StagedModel, head_nll,
                                    heavy_front, index, interleave, mtp_terms, run_chunk,
                                    split_params, stage0_input, stage_specs, ticks)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from dsjax import fp8
 from dsjax.sharding import varying_axes
 from dsjax.model.decoder import FP8_ON
-from dsjax.model.loss import BATCH_KEYS
+from dsjax.model.batch import BATCH_KEYS
 from dsjax.pipeline import stash
 from dsjax.pipeline.stages import (FRONT_BATCH_KEYS, PREFIX_META, STAGE, StagedModel,
                                    aux_terms, front_params, head_nll, heavy_front, index,

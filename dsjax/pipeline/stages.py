@@ -22,10 +22,10 @@ from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, chunks_per_stage
 from dsjax.model.decoder import FP8_ON, Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
 from dsjax.model import loss
-from dsjax.model.loss import MEDIA_KEYS
+from dsjax.model.batch import MEDIA_KEYS
 from dsjax.model.vision import SiglipTower, make_projector, with_image_features
 
-STAGE = sharding.MESH_AXES[2]  # the mesh axis the stages live on ("pipeline")
+STAGE = sharding.PIPELINE  # the mesh axis the stages live on
 # The MTP modules' params: replicated over the stages, run with the head (`mtp_terms`).
 MTP_KEYS = ("mtp_enorm", "mtp_hnorm", "mtp_norm", "mtp_eh_proj", "mtp_layers")
 
@@ -57,9 +57,9 @@ class StagedModel:
     loss). Chunk c of the pipelined stack holds its layers [c*Lc, (c+1)*Lc)."""
     model: Transformer
     stages: int
-    schedule: str = "gpipe"
-    microbatches: int = 1
-    repeats: int = 1
+    schedule: str  # pipeline.schedule, microbatches, repeats: no defaults here, the config's
+    microbatches: int  # are the only ones (`dsjax.pipeline.make`)
+    repeats: int
     typed: bool = True  # shard_map check_vma; False for fp8 (see dsjax/train/onebit_step.py)
                         # and expert-parallel MoE (see `dsjax.pipeline.make`)
 

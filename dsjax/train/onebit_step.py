@@ -17,12 +17,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dsjax import sharding
 from dsjax.batching import accumulate, scale_updates
 from dsjax.model import moe
+from dsjax.model.loss import objective_value, weigh_aux
 from dsjax.optim import OneBitAdam
 from dsjax.optim import loss_scale as ls
 from dsjax.optim.compressed_allreduce import tree_sq_norm
-from dsjax.train.step import TrainState, finish_step, finite_by_group, media_metrics
+from dsjax.train.step import TrainState, finish_step
 
-DATA = "data"  # the mesh axis 1-bit Adam reduces over (see dsjax.sharding.MESH_AXES)
+DATA = sharding.DATA  # the mesh axis 1-bit Adam reduces over
 
 
 def _clip(grads: Any, norm: jax.Array, clip_norm: float) -> Any:
@@ -106,9 +107,8 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
             local = jnp.maximum(local, 1.0)
             total = mean * local
             # MTP, MoE balance (pipelined or not): token-weighted like the NLL; loads: counts.
-            aux = ({k: v if k == "moe_load" else v * local for k, v in aux.items()}
-                   if with_aux else {})
-            return (ls.scale_loss(loss_scale, (total + aux.get("aux_loss", 0.0)) * share),
+            aux = weigh_aux(aux, local) if with_aux else {}
+            return (ls.scale_loss(loss_scale, objective_value(total, aux) * share),
                     (total, aux))
 
         if typed:
@@ -183,15 +183,10 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
         new_params, new_opt_state, grad_norm = jax.shard_map(
             update, mesh=opt_mesh, in_specs=(grad_specs, opt_specs, view_specs),
             out_specs=(view_specs, opt_specs, P()))(grads, state.opt_state, state.params)
-    if "moe_load" in aux and state.router_bias_speed:  # outside the gradient (DeepSeek-V3)
-        new_params = moe.with_updated_router_bias(new_params, state.params, aux["moe_load"],
-                                                  state.router_bias_speed)
-    new_state, metrics = finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
-                                      meta_grads, finite_by_group(grads))  # every worker's
-    metrics.update(moe.load_metrics(aux))
-    metrics.update(media_metrics(batch))
+    new_state, metrics = finish_step(state, batch, lr_scale, loss, tokens, aux,
+                                     grads,  # every worker's: the report names a bad one
+                                     grad_norm, new_params, new_opt_state, meta_grads)
     metrics["onebit_compressed"] = jnp.asarray(int(compressed), jnp.int32)
-    metrics["lr"] = metrics["lr"] * lr_scale
     return new_state, metrics
 
 

@@ -198,7 +198,7 @@ def resume(checkpointer: ckpt.Checkpointer, state: TrainState, mesh: Mesh, model
             return state, None, None
         where = f"checkpoint step {start} in {checkpointer.directory}"
         try:
-            meta = checkpointer.read_meta(start)
+            meta = checkpointer.step_meta(start)
             ckpt.check_model(meta, model_cfg, where)
             check_same_data(meta.get("train_layout"), checkpointer.train_layout, where,
                             checkpointer.directory)

@@ -18,6 +18,7 @@ from dsjax import fp8
 from dsjax.batching import accumulate, scale_updates
 from dsjax.config.sections import TRAINABLE_GROUPS
 from dsjax.model import moe
+from dsjax.model.loss import objective_value, weigh_aux
 from dsjax.optim import OneBitAdam
 from dsjax.optim import loss_scale as ls
 from dsjax.optim.groups import stop_frozen
@@ -57,10 +58,16 @@ def nonfinite_groups(metrics: dict[str, Any]) -> str:
     return f"non-finite gradients in {', '.join(bad[:6])}{more}"
 
 
-def finish_step(state: TrainState, loss: jax.Array, tokens: jax.Array, grad_norm: jax.Array,
-                 new_params: Any, new_opt_state: Any, meta_grads: Any, grad_finite: dict
-                 ) -> tuple[TrainState, dict]:
-    """Applies a step's results unless the loss or gradient is non-finite; the metrics."""
+def finish_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float,
+                loss: jax.Array, tokens: jax.Array, aux: dict[str, jax.Array], grads: Any,
+                grad_norm: jax.Array, new_params: Any, new_opt_state: Any, meta_grads: Any
+                ) -> tuple[TrainState, dict]:
+    """Every train step's tail: moves MoE router biases by the expert loads (outside the
+    gradient, DeepSeek-V3), applies the results unless the loss or gradient is non-finite, and
+    returns the metrics (`grads`: what the non-finite report names, per leaf)."""
+    if "moe_load" in aux and state.router_bias_speed:
+        new_params = moe.with_updated_router_bias(new_params, state.params, aux["moe_load"],
+                                                  state.router_bias_speed)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_meta = fp8.commit(state.fp8_meta, meta_grads, state.fp8_margin) if state.fp8_meta else {}
     params, opt_state, fp8_meta = ls.select(finite, (new_params, new_opt_state, new_meta),
@@ -68,9 +75,12 @@ def finish_step(state: TrainState, loss: jax.Array, tokens: jax.Array, grad_norm
     new_state = state.replace(step=state.step + finite.astype(state.step.dtype), params=params,
                               opt_state=opt_state, fp8_meta=fp8_meta,
                               loss_scale=ls.update(state.loss_scale, finite))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step),
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step) * lr_scale,
                "finite": finite, "tokens": tokens, "loss_scale": state.loss_scale.scale,
-               "skipped_steps": new_state.loss_scale.skipped_steps, "grad_finite": grad_finite}
+               "skipped_steps": new_state.loss_scale.skipped_steps,
+               "grad_finite": finite_by_group(grads), **moe.load_metrics(aux)}
+    if "image_mask" in batch:  # images and video frames in a vision-language batch
+        metrics["images"] = jnp.sum(batch["image_mask"])
     return new_state, metrics
 
 
@@ -91,11 +101,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
                 stop_frozen(params, state.trainable), micro, fp8_meta, state.loss_scale.scale)
             if accumulating:  # this micro-batch's share of the whole batch's mean loss
                 share = tokens / count
-                loss = loss * share
-                # Expert loads are counts: they add up; the losses are shares like `loss`.
-                aux = {k: v if k == "moe_load" else v * share for k, v in aux.items()}
-            objective = loss + aux.get("aux_loss", 0.0)
-            return ls.scale_loss(state.loss_scale, objective), (loss, tokens, aux)
+                loss, aux = loss * share, weigh_aux(aux, share)
+            return (ls.scale_loss(state.loss_scale, objective_value(loss, aux)),
+                    (loss, tokens, aux))
 
         (_, sums), (grads, meta_grads) = jax.value_and_grad(
             scaled_loss, argnums=(0, 1), has_aux=True)(state.params, state.fp8_meta)
@@ -106,17 +114,5 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
     grad_norm = optax.tree.norm(grads)
     updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, scale_updates(updates, lr_scale))
-    if "moe_load" in aux and state.router_bias_speed:  # outside the gradient (DeepSeek-V3)
-        new_params = moe.with_updated_router_bias(new_params, state.params, aux["moe_load"],
-                                                  state.router_bias_speed)
-    new_state, metrics = finish_step(state, loss, tokens, grad_norm, new_params, new_opt_state,
-                                      meta_grads, finite_by_group(grads))
-    metrics.update(moe.load_metrics(aux))
-    metrics.update(media_metrics(batch))
-    metrics["lr"] = metrics["lr"] * lr_scale
-    return new_state, metrics
-
-
-def media_metrics(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """{"images": images and video frames in the batch} for a vision-language batch, else {}."""
-    return {"images": jnp.sum(batch["image_mask"])} if "image_mask" in batch else {}
+    return finish_step(state, batch, lr_scale, loss, tokens, aux, grads, grad_norm, new_params,
+                       new_opt_state, meta_grads)

@@ -24,7 +24,7 @@ from dsjax.config import Config, trainable_groups
 from dsjax.errors import ConfigError
 from dsjax.model import ModelLoss, Transformer, count_params
 from dsjax.model.build import make_model
-from dsjax.model.loss import BATCH_KEYS, media_layout
+from dsjax.model.batch import BATCH_KEYS, media_layout
 from dsjax.optim import OneBitAdam, make_optimizer
 from dsjax.optim import loss_scale as ls
 from dsjax.train.onebit_step import onebit_init_and_phases
@@ -84,7 +84,7 @@ class Trainer:
         return batching.Programs(self)
 
     def _shape(self, batch: dict[str, Any]) -> batching.Shape:
-        return batching.batch_shape(batch, self.mesh.shape["data"])
+        return batching.batch_shape(batch, sharding.data_size(self.mesh))
 
     def program_for(self, state: TrainState, batch: dict[str, Any]) -> Any:
         """The compiled step for `state`'s phase and `batch`'s shape ([B, S] or [k, B/k, S])."""
@@ -94,7 +94,7 @@ class Trainer:
         """The jitted step of `phase` at data.global_batch (no accumulation): `.lower(...)` it to
         read its HLO or cost (tests, benchmarks). The same function `programs` compiles."""
         return self.programs.jitted(phase, batching.Shape(self.cfg.data.global_batch, 1,
-                                                          self.mesh.shape["data"]))
+                                                          sharding.data_size(self.mesh)))
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         phase, lo, hi = self.phase_for(state)
@@ -132,7 +132,7 @@ class Trainer:
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """One global batch (data.global_batch rows, no accumulation), abstract, for lowering."""
         return batching.abstract_batch(self.batch_shardings, batching.Shape(
-            self.cfg.data.global_batch, 1, self.mesh.shape["data"]), self.cfg.data.seq_len,
+            self.cfg.data.global_batch, 1, sharding.data_size(self.mesh)), self.cfg.data.seq_len,
             self.media)
 
 
@@ -154,7 +154,7 @@ def check_fits(trainer: Trainer, shape: batching.Shape, phase: int) -> None:
 
 def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     mesh = sharding.make_mesh(cfg) if mesh is None else mesh
-    sharding.validate_mesh(cfg, mesh.size)
+    sharding.check_device_count(cfg, mesh.size)
     rules = sharding.logical_rules(cfg.mesh.fsdp, pipeline=cfg.mesh.pipeline > 1)
     if cfg.remat.policy == "auto":  # compiles candidate policies, then builds the chosen one
         policy, layers, _ = remat_plan.choose(cfg, mesh, log=mx.log)
