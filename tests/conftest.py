@@ -28,6 +28,17 @@ import pytest  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _from_the_repository_root():
+    """Tests name configs, benchmarks and data as a user at the repository root does
+    ("configs/cpu_tiny.py"); this makes those paths hold from any working directory (e.g.
+    `cd tests && pytest test_config.py`)."""
+    before = os.getcwd()
+    os.chdir(ROOT)
+    yield
+    os.chdir(before)
+
+
 def random_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int = 257,
                  docs_per_row: int = 2) -> dict[str, np.ndarray]:
     """A host batch shaped like the data pipeline's: packed documents with segment ids."""
