@@ -29,10 +29,12 @@ import report  # noqa: E402  (benchmarks/report.py)
 from dsjax.config import load  # noqa: E402  (no JAX import yet)
 from dsjax.runtime.cpu_devices import ensure_cpu_devices  # noqa: E402
 
-# The attention core's dots per layer body, by implementation (dsjax/model/attention.py): xla
-# differentiates QK^T and PV (forward, two gradients each); flash's backward recomputes QK^T
-# before its dV, dP, dQ and dK.
-ATTENTION_CORE_DOTS = {"xla": 6, "flash": 7}
+# The attention core's dots per layer body in the StableHLO, by implementation
+# (dsjax/model/attention.py, every impl of ATTENTION_IMPLS but auto): xla differentiates QK^T and
+# PV (forward, two gradients each); flash's backward recomputes QK^T before its dV, dP, dQ and
+# dK; cudnn is a cuDNN custom call and pallas a Triton kernel, no dot_general (pallas only runs
+# compiled on GPU, where fp8_hlo counts; interpreted on CPU it would show its kernel's dots).
+ATTENTION_CORE_DOTS = {"xla": 6, "flash": 7, "cudnn": 0, "pallas": 0}
 HEAD_DOTS = 3            # unchunked output head: forward, dgrad, wgrad
 CHUNKED_HEAD_DOTS = 4    # model.loss_chunk > 0: the backward recomputes each chunk's logits
 MATMULS = 7              # q, k, v, o, gate, up, down
