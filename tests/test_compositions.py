@@ -47,8 +47,8 @@ def test_composition_trains_three_steps_in_launch(tmp_path, config, flags):
         with open(hlo, encoding="utf-8") as f:
             assert "f8e4m3fn" in f.read()
     if flags["train.compute_dtype"] == "float16":
-        # Dynamic loss scaling ran: loss_scale.for_compute_dtype starts at 2**15 and halves at
-        # each skipped step; it doubles only after 2000 good ones.
+        # Dynamic loss scaling ran: it starts at train.loss_scale_init (2**15) and halves at each
+        # skipped step; it doubles only after train.loss_scale_growth (2000) good ones.
         assert all(r["loss_scale"] == 2.0 ** 15 / 2 ** r["skipped_steps"] for r in records)
     if flags.get("optim.name") == "onebit_adam":
         # Exact Adam for optim.freeze_step = 1 step, then the compressed reduction.
