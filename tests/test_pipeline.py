@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -503,6 +504,103 @@ def test_interleave_tables_move_every_chunk_to_its_circular_slot(stages, repeats
         assert [sent[src][d][p] for src, p in recv[d]] == local[d][:repeats]
 
 
+# An fp8 comparison is exact only up to the values that sit at an fp8 rounding boundary: the two
+# paths compute the float32 values they quantise in different orders (tensor-parallel partial
+# sums, microbatches, the CPU's GEMM kernels), so those differ by a few ulps, and a value that
+# close to a tie can round the other way, which moves it by a whole fp8 step. Such a flip is
+# not a bug, and its effect on the gradients is not an ulp: one e5m2 dy of the third layer's
+# `down` projection, 2 ulps from the tie between 12288 and 14336 (x/scale = -13312.002), moves
+# the embedding gradient by 2.40e-3 of its norm 0.551 (4.4e-3), which is what an AVX-512/AMX
+# CPU measured. `_fp8_flip_allowance` finds the reference's activations and gradients within
+# FLIP_ULPS of a boundary (16: 8x the 2 ulps seen; 3 of 299k values here; weights are the same
+# params and scales on both paths, so they cannot flip), rounds each the other way in turn, and
+# sums the changes: with the float32 reordering bound, what the pipelined run may differ by on
+# any CPU. A scale from the wrong step re-rounds every value: 2.8e-2 to 0.2 of each gradient.
+FLIP_ULPS = 16
+
+
+def _quantize_window(quantize, x, scale, dtype):
+    """(fp8 values as `quantize` rounds them, the same values moved FLIP_ULPS ulps down and up
+    before rounding, and x / scale)."""
+    v = x.astype(jnp.float32) / scale
+    down, up = v, v
+    for _ in range(FLIP_ULPS):
+        down, up = jnp.nextafter(down, -jnp.inf), jnp.nextafter(up, jnp.inf)
+    return quantize(x, scale, dtype), quantize(down, 1.0, dtype), quantize(up, 1.0, dtype), v
+
+
+def _fp8_flip_allowance(run, ref):
+    """run(): (value, grads, amax observations) of the reference, traced afresh (so that it sees
+    a patched `fp8.quantize`); ref: what it returns unpatched. Returns (the values near a tie,
+    the allowances [|d value|, [||d grad|| per leaf], [|d amax| per leaf]]) summed over
+    rounding each of those values the other way, one at a time."""
+    quantize, near = fp8.quantize, set()
+
+    def record(x, scale, dtype):
+        q, down, up, v = _quantize_window(quantize, x, scale, dtype)
+        jax.debug.callback(lambda v, tie, name=jnp.dtype(dtype).name: near.update(
+            (name, float(a)) for a in np.asarray(v)[np.asarray(tie)]), v, down != up)
+        return q
+
+    def flip(name, value):
+        def quantize_flipped(x, scale, dtype):
+            q, down, up, v = _quantize_window(quantize, x, scale, dtype)
+            if jnp.dtype(dtype).name != name:
+                return q
+            return jnp.where((v == value) & (down != up), jnp.where(down != q, down, up), q)
+        return quantize_flipped
+
+    def weights_as_they_are(*args, **kwargs):  # the same params and scales on both paths
+        with mock.patch.object(fp8, "quantize", quantize):
+            return prepare_weight(*args, **kwargs)
+
+    prepare_weight = fp8.prepare_weight
+    with mock.patch.object(fp8, "prepare_weight", weights_as_they_are):
+        with mock.patch.object(fp8, "quantize", record):
+            jax.block_until_ready(run())
+    allowance = jax.tree.map(lambda a: np.zeros_like(np.asarray(a, np.float64)), _flip_sizes(ref))
+    for name, value in sorted(near):
+        with mock.patch.object(fp8, "quantize", flip(name, value)), \
+                mock.patch.object(fp8, "prepare_weight", weights_as_they_are):
+            moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a, np.float64) - b),
+                                 jax.device_get(run()), ref)
+        allowance = jax.tree.map(np.add, allowance, _flip_sizes(moved))
+    return sorted(near), allowance
+
+
+def _amaxes(tree):
+    return [np.asarray(m.amax, np.float64)
+            for m in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, fp8.Fp8Meta))]
+
+
+def _flip_sizes(out):
+    """(value, grads, observations) -> [value, [Frobenius norm per grad leaf], [amaxes]]."""
+    value, grads, obs = out
+    return [np.asarray(value, np.float64),
+            [np.linalg.norm(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads)],
+            _amaxes(obs)]
+
+
+def _assert_fp8_matches(out, ref, run):
+    """out, ref: (value, grads, amax observations) of the pipelined and the unpipelined fp8
+    model; run: the reference, traced afresh. They match up to float32 reordering (1e-5
+    relative; measured <= 2e-7 per gradient, 1.5e-7 per amax, where no value flipped) plus what rounding the reference's values near an fp8 tie the
+    other way can move (`_fp8_flip_allowance`)."""
+    near, (d_value, d_grads, d_amax) = _fp8_flip_allowance(run, jax.device_get(ref))
+    # ~0.2-0.4 values per ulp of window: FLIP_ULPS 16 finds a handful (3 here, which allow
+    # 6e-4 to 3.8e-2 of a gradient; a scale from the wrong step moves each by 4-30x its
+    # allowance). Dozens would blunt the bound.
+    assert len(near) <= 30, near
+    value, grads, obs = out
+    assert abs(float(value) - float(ref[0])) <= 1e-5 * abs(float(ref[0])) + d_value
+    for (path, g), r, d in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                               jax.tree.leaves(ref[1]), d_grads):
+        err, size = np.linalg.norm(np.asarray(g, np.float64) - r), np.linalg.norm(r)
+        assert err <= 1e-5 * size + d, (jax.tree_util.keystr(path), err / size, d / size, near)
+    for g, w, d in zip(_amaxes(obs), _amaxes(ref[2]), d_amax):
+        assert np.all(np.abs(g - w) <= 1e-5 * np.abs(w) + d)
+
+
 @pytest.mark.parametrize("schedule, repeats, keep", [
     ("1f1b", 1, (0, 0)), ("interleaved_1f1b", 2, (0, 0)),
     # Layers kept out of fp8 (fp8.keep_first_layers, keep_last_layers): on 2 stages the 4
@@ -534,20 +632,17 @@ def test_hand_backward_with_delayed_fp8_matches_the_unpipelined_model(schedule, 
     meta = jax.device_get(fp8.commit(meta, observed))
     ref_loss, (ref_grads, ref_obs) = loss_and_grads(reference, params, meta, host_batch)
     with sharding.activate(trainer.mesh, trainer.rules):
-        loss, (grads, obs) = loss_and_grads(
+        loss, (grads, obs) = jax.device_get(loss_and_grads(
             state.objective, state.params, jax.device_put(meta, trainer.state_shardings.fp8_meta),
-            trainer.device_batch(host_batch))
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-5  # measured 2e-7
-    is_meta = lambda n: isinstance(n, fp8.Fp8Meta)
-    amaxes = lambda t: [np.asarray(m.amax, np.float32) for m in jax.tree.leaves(t, is_leaf=is_meta)]
-    got, want = amaxes(jax.device_get(obs)), amaxes(ref_obs)
+            trainer.device_batch(host_batch)))
+    ref = (ref_loss, ref_grads, ref_obs)
+    _assert_fp8_matches((loss, grads, obs), ref, lambda: (
+        lambda out: (out[0], *out[1]))(loss_and_grads(reference, params, meta, host_batch)))
+    got, want = _amaxes(jax.device_get(obs)), _amaxes(ref_obs)
     assert len(got) == 7  # q, k, v, o, gate, up, down (stacked over layers)
     kept = [i for i in range(4) if i < keep[0] or i >= 4 - keep[1]]
-    for g, w in zip(got, want):  # [layers, (x, w, g)]
+    for w in want:  # [layers, (x, w, g)]
         assert np.all(np.delete(w, kept, axis=0) > 0) and np.all(w[kept] == 0)  # kept: unused
-        np.testing.assert_allclose(g, w, rtol=1e-5)  # measured 1.5e-7
 
 
 @pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
