@@ -215,7 +215,7 @@ def test_programs_ask_the_optimizer_which_phase_a_step_runs_in():
     `step >= freeze_step` rule would plan and prefetch the wrong program before each refresh)."""
     trainer = build_trainer(_cfg(**{"optim.name": "onebit_adam", "optim.freeze_step": 3,
                                     "optim.refresh_every": 4, "train.steps": 20}))
-    phases = [trainer.programs.phase_at(s) for s in range(14)]
+    phases = [trainer.phase_at(s) for s in range(14)]
     # Steps 0-2 warmup; after the freeze every 4th step (the 4th, 8th, ...) is exact.
     assert phases == [0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1], phases
     assert phases == [int(trainer.tx.uses_compression(s)) for s in range(14)]
@@ -288,7 +288,8 @@ def test_batcher_plans_the_largest_micro_batch_under_the_budget(trainer):
     # A device of this much memory: 90% of it lies between micro-batch 2's and 4's predictions.
     gb = (predicted[2] + predicted[4]) / 2 / 0.9 / 2**30
     cfg = _cfg(**{"batch.device_memory_gb": gb})
-    fake = types.SimpleNamespace(cfg=cfg, programs=trainer.programs, mesh=trainer.mesh)
+    fake = types.SimpleNamespace(cfg=cfg, programs=trainer.programs, mesh=trainer.mesh,
+                                 phase_at=trainer.phase_at)
     batcher = batching.Batcher(fake, stream=None, log=lambda _: None)
     shape = batcher.plan(16)
     assert (shape.micro_batch, shape.accum_steps) == (2, 2)
@@ -419,7 +420,7 @@ def test_a_measured_peak_above_the_prediction_raises_the_memory_reading():
 
     cfg = _cfg(**{"batch.policy": "adaptive", "batch.ladder": "8,16", "batch.micro_batch": 1,
                   "batch.patience": 1, "batch.cooldown": 0})
-    fake = types.SimpleNamespace(cfg=cfg, programs=_NoCompile(),
+    fake = types.SimpleNamespace(cfg=cfg, programs=_NoCompile(), phase_at=_one_phase,
                                  mesh=types.SimpleNamespace(local_devices=[Device()]))
     logged = []
     batcher = batching.Batcher(fake, stream=None, log=logged.append)
@@ -487,11 +488,13 @@ class _NoCompile:
     def prefetch(self, *_):
         pass
 
-    def phase_at(self, _step):
-        return 0
-
     def shapes(self):
         return []
+
+
+def _one_phase(_step):
+    """A trainer's phase rule with one program (no 1-bit Adam)."""
+    return 0
 
 
 def test_every_sample_is_consumed_once_in_order_across_batch_changes(split, trainer):
@@ -500,7 +503,8 @@ def test_every_sample_is_consumed_once_in_order_across_batch_changes(split, trai
     path, seq_len, index = split
     cfg = _cfg(**{"data.seq_len": seq_len, "batch.policy": "ramp", "batch.ladder": "8,16,24",
                   "batch.ramp": "0:8,400:24", "batch.micro_batch": 1})
-    fake = types.SimpleNamespace(cfg=cfg, programs=_NoCompile(), mesh=trainer.mesh)
+    fake = types.SimpleNamespace(cfg=cfg, programs=_NoCompile(), phase_at=_one_phase,
+                                 mesh=trainer.mesh)
     # The stream's definition, independently of SampleStream: rows shuffled per epoch, repeated.
     ds = grain.MapDataset.source(PackedSource(path, seq_len)).shuffle(seed=5).repeat()
     total, steps, sizes, seen = 0, 0, [], []

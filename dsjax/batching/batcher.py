@@ -33,6 +33,7 @@ class Batcher:
         self.seq_len = cfg.data.seq_len
         self.stream = stream
         self.programs: Programs = trainer.programs
+        self.phase_at = trainer.phase_at  # THE phase rule (1-bit Adam's optimizer decides)
         self.log = log
         self.capacity = device_memory_bytes(trainer.mesh.local_devices[0],
                                             self.cfg.device_memory_gb)
@@ -59,7 +60,7 @@ class Batcher:
             if self.cfg.micro_batch:
                 micro, nbytes, fits = self.cfg.micro_batch, None, True
             else:
-                phase = self.programs.phase_at(self.step)
+                phase = self.phase_at(self.step)
                 micro, nbytes, fits = plan_micro_batch(
                     per_replica, lambda m: self.programs.predict(
                         Shape(batch, per_replica // m, self.data), phase), self.budget)
@@ -82,8 +83,8 @@ class Batcher:
         c = self.controller
         ahead = self.cfg.patience if self.cfg.policy == "ramp" else max(
             self.cfg.patience - 1, self.cfg.cooldown + 1 - c.since_change, 0)
-        phase = self.programs.phase_at(self.step + ahead)
-        if phase != self.programs.phase_at(self.step):
+        phase = self.phase_at(self.step + ahead)
+        if phase != self.phase_at(self.step):
             return
         shape = self._plans.get(batch)
         if shape is None and (self.cfg.micro_batch or math.isinf(self.budget)):
@@ -96,7 +97,7 @@ class Batcher:
         if math.isinf(self.capacity):
             return None
         shape = self.plan(batch)
-        return (self.programs.predict(shape, self.programs.phase_at(self.step)) *
+        return (self.programs.predict(shape, self.phase_at(self.step)) *
                 self._calibration / self.capacity)
 
     # -- the loop ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsjax import sharding
 from dsjax.batching.shapes import Shape, abstract_batch, lr_scale
@@ -21,16 +21,26 @@ from dsjax.metrics.memory import predicted_bytes
 class Programs:
     """The compiled train step per (phase, accum_steps, micro-batch rows): each compiled once,
     ahead of time, inline or in one background thread, and its predicted memory. `phase` indexes
-    `trainer.phase_fns` (1-bit Adam: 0 warmup, 1 compressed). The learning-rate multiplier of a
-    shape's global batch is a compile-time constant of its program: no extra compilations."""
+    `phase_fns` (1-bit Adam: 0 warmup, 1 compressed). The learning-rate multiplier of a shape's
+    global batch is a compile-time constant of its program: no extra compilations.
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
-        cfg = trainer.cfg
-        self.data = cfg.mesh.data
-        self.seq_len = cfg.data.seq_len
-        self.reference = cfg.batch.reference_batch or cfg.data.global_batch
-        self.rule = cfg.batch.lr_scaling
+    It sees only what compiling needs: the step functions, the mesh and its logical rules, the
+    state's shardings and its abstract value (`abstract_state()`, asked for at the first compile),
+    the batch's shardings and media layout, and the learning-rate rule (`lr_scale`'s
+    `reference` batch and `rule`)."""
+
+    def __init__(self, phase_fns: tuple[Callable, ...], mesh: Mesh, rules: Any,
+                 state_shardings: Any, abstract_state: Callable[[], Any],
+                 batch_shardings: dict[str, NamedSharding],
+                 media: dict[str, tuple[tuple[int, ...], Any]], seq_len: int, reference: int,
+                 rule: str):
+        self.phase_fns, self.mesh, self.rules = phase_fns, mesh, rules
+        self.state_shardings, self.abstract_state = state_shardings, abstract_state
+        self.batch_shardings, self.media = batch_shardings, media
+        self.data = sharding.data_size(mesh)
+        self.seq_len = seq_len
+        self.reference = reference
+        self.rule = rule
         self._futures: dict[tuple[int, int, int], Future] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -52,22 +62,20 @@ class Programs:
     def jitted(self, phase: int, shape: Shape) -> Any:
         """The jitted (not yet compiled) step of `phase` for `shape`: in/out shardings, donated
         state, the shape's learning-rate multiplier bound. `.lower(...)` it to inspect HLO."""
-        t = self.trainer
-        fn = functools.partial(t.phase_fns[phase],
+        fn = functools.partial(self.phase_fns[phase],
                                lr_scale=lr_scale(shape.batch, self.reference, self.rule))
-        batch = abstract_batch(t.batch_shardings, shape, self.seq_len, t.media)
-        return jax.jit(fn, in_shardings=(t.state_shardings, {k: v.sharding
-                                                              for k, v in batch.items()}),
-                       out_shardings=(t.state_shardings, NamedSharding(t.mesh, P())),
+        batch = abstract_batch(self.batch_shardings, shape, self.seq_len, self.media)
+        return jax.jit(fn, in_shardings=(self.state_shardings, {k: v.sharding
+                                                                 for k, v in batch.items()}),
+                       out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())),
                        donate_argnums=0)
 
     def _compile(self, key: tuple[int, int, int]) -> Any:
         phase, accum, rows = key
-        t = self.trainer
         shape = Shape(accum * rows, accum, self.data)
-        batch = abstract_batch(t.batch_shardings, shape, self.seq_len, t.media)
-        with sharding.activate(t.mesh, t.rules):  # the logical rules are per thread
-            compiled = self.jitted(phase, shape).lower(t.abstract_state(), batch).compile()
+        batch = abstract_batch(self.batch_shardings, shape, self.seq_len, self.media)
+        with sharding.activate(self.mesh, self.rules):  # the logical rules are per thread
+            compiled = self.jitted(phase, shape).lower(self.abstract_state(), batch).compile()
         self.memory[key] = predicted_bytes(compiled)
         return compiled
 
@@ -96,11 +104,6 @@ class Programs:
         key = (phase, shape.accum_steps, shape.rows)
         self.used.add(key)
         return self._future(key, background=False).result()
-
-    def phase_at(self, step: int) -> int:
-        """The phase step `step` (0-based, no skipped steps) runs in: the trainer asks the
-        optimizer (1-bit Adam: compressed after the freeze, except its exact refresh steps)."""
-        return self.trainer.phase_at(step)
 
     def prefetch(self, shape: Shape, phase: int | None = None) -> None:
         """Starts compiling `shape` in the background (the phase last run by default)."""

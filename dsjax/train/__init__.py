@@ -3,7 +3,8 @@ state <-> checkpoint (resume), the loop (loop) and what it reports besides the l
 `dsjax.train.run(cfg, workdir)` trains a config; `run_eval` evaluates a
 checkpoint (`--mode eval`), with `dsjax.evaluate` one floor below."""
 
-from dsjax.train.loop import check_workdir, moe_record, run, run_eval
+from dsjax.train.loop import check_workdir, run, run_eval
+from dsjax.train.observer import moe_record
 from dsjax.train.onebit_step import onebit_step
 from dsjax.train.resume import errors_layout, onebit_errors, train_extras, with_restored
 from dsjax.train.step import (TrainState, finish_step, finite_by_group, nonfinite_groups,

@@ -34,19 +34,6 @@ from dsjax.train.step import nonfinite_groups
 from dsjax.train.trainer import build_trainer, check_fits
 
 
-def moe_record(m: dict[str, Any]) -> dict[str, Any]:
-    """metrics.jsonl fields of a MoE/MTP model ({} for dense): per-expert load of each MoE layer
-    (share of its assignments; MTP blocks last), its max relative to even, aux and MTP losses."""
-    out = {}
-    if "expert_load" in m:
-        out["expert_load"] = np.round(np.asarray(m["expert_load"], np.float64), 4).tolist()
-        out["expert_load_max"] = float(m["expert_load_max"])
-    for key in ("aux_loss", "mtp_loss"):
-        if key in m:
-            out[key] = float(np.mean(m[key]))
-    return out
-
-
 def check_workdir(workdir: str) -> None:
     """Fails early, in one line, if the run directory cannot be created or written."""
     probe = os.path.join(workdir, f".write-test-{os.getpid()}")
@@ -72,6 +59,82 @@ def _train_stream(cfg: Config, splits: Splits, vision: Any, prefetch_rows: int) 
                         **media_reading(cfg, vision), process_index=jax.process_index(),
                         process_count=jax.process_count(), prefetch=cfg.data.prefetch,
                         prefetch_rows=prefetch_rows)
+
+
+def _save(checkpointer: ckpt.Checkpointer, step: int, state: Any, batcher: Batcher,
+          trainer: Any) -> None:
+    resume_lib.save(checkpointer, step, state, batcher.get_state(), trainer.mesh,
+                    trainer.cfg.model)
+
+
+class StepReader:
+    """The host's side of each step, read one step after it was dispatched: its time, whether
+    it was finite (skip it or stop the run), the batch controller's reading, and every
+    `train.log_every` steps its metrics.jsonl record (built by the `Observer`)."""
+
+    def __init__(self, cfg: Config, start: int, batcher: Batcher, observer: Observer,
+                 writer: Any, checkpoint_dir: str):
+        self.cfg, self.start = cfg, start
+        self.batcher, self.observer, self.writer = batcher, observer, writer
+        self.checkpoint_dir = checkpoint_dir
+        self.saved = start  # the step of the newest checkpoint
+        self.skips_in_a_row = 0
+        self.samples = self.tokens = 0  # global-batch samples and tokens trained in this run
+        self.times: list[float] = []  # step times of one batch shape: compiled steps left out
+        self.shape: tuple | None = None  # (batch, accum) whose step times `times` holds
+        self.last = time.perf_counter()
+
+    def mark(self) -> None:
+        """Times the next step from now (after a profiled step, whose time is not counted)."""
+        self.last = time.perf_counter()
+
+    def typical(self, window: int, default: float) -> float:
+        """The median of the last `window` step times (`default` before any)."""
+        return float(np.median(self.times[-window:])) if self.times else default
+
+    def read(self, step_idx: int, m: dict[str, Any]) -> None:
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        self._check_finite(step_idx, m)
+        timed = step_idx > self.start and step_idx not in self.observer.untimed  # compile/trace
+        if self.shape != (m["batch_size"], m["accum_steps"]):  # a new shape (may compile)
+            self.shape, timed = (m["batch_size"], m["accum_steps"]), False
+            self.times.clear()
+        if timed:
+            self.times.append(dt)
+        self.batcher.observe(m, 1000 * dt if timed else None)  # adaptive batch size: the reading
+        self.samples += m["batch_size"]
+        self.tokens += m["batch_size"] * self.cfg.data.seq_len
+        done, steps = step_idx + 1, self.cfg.train.steps
+        if done % self.cfg.train.log_every == 0 or done == steps:
+            typical = self.typical(50, dt)
+            record = self.observer.record(m, done, typical,
+                                          self.batcher.record_fields(m, step_idx),
+                                          self.samples, self.tokens)
+            self.writer.write(record, eta_s=typical * (steps - done))
+
+    def _check_finite(self, step_idx: int, m: dict[str, Any]) -> None:
+        """Counts a non-finite step as skipped, or stops the run (train.nonfinite, and at most
+        train.max_consecutive_skips in a row; float16 always skips: its loss scale backs off)."""
+        if bool(m["finite"]):
+            self.skips_in_a_row = 0
+            return
+        t = self.cfg.train
+        skipping = t.nonfinite == "skip" or t.compute_dtype == "float16"
+        self.skips_in_a_row += 1
+        if not skipping or self.skips_in_a_row > t.max_consecutive_skips:
+            why = (f"{self.skips_in_a_row} consecutive non-finite steps" if skipping else
+                   "train.nonfinite='stop'")
+            raise TrainingError(
+                f"non-finite loss or gradient at step {step_idx + 1} (loss={float(m['loss'])}"
+                f", grad_norm={float(m['grad_norm'])}, {why}; {nonfinite_groups(m)}); "
+                f"stopping without writing a checkpoint. The last checkpoint in "
+                f"{self.checkpoint_dir} (step {self.saved}) is intact; lower optim.lr or check "
+                f"the data.")
+        mx.log(f"skipped step {step_idx + 1}: non-finite loss or gradient (loss scale was "
+               f"{float(m['loss_scale']):g}; {int(m['skipped_steps'])} skipped so far; "
+               f"{nonfinite_groups(m)})")
 
 
 def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_s: float = 0.0
@@ -130,126 +193,59 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     start = start or 0
     batcher.step = start
 
-    flops_tok = mx.flops_per_token(cfg.model, cfg.data.seq_len, cfg.vision)
-    peak, peak_source = mx.peak_flops_per_device(cfg.metrics.peak_flops_per_device)
-    peak_total = peak * jax.device_count()
     writer = mx.MetricsWriter(workdir, cfg.train.steps, cfg.metrics.tensorboard)
-    mx.log(f"MFU is relative to {peak_total:.3g} FLOP/s ({peak_source}); "
-           f"{flops_tok:.3g} model FLOPs/token")
-
     observer = Observer(trainer, workdir)
+    mx.log(f"MFU is relative to {observer.peak_total:.3g} FLOP/s ({observer.peak_source}); "
+           f"{observer.flops_per_token:.3g} model FLOPs/token")
 
-    def save(step: int) -> None:
-        resume_lib.save(checkpointer, step, state, batcher.get_state(), trainer.mesh, cfg.model)
-
+    reader = StepReader(cfg, start, batcher, observer, writer, checkpointer.directory)
     pending = None  # (step index, device metrics) of the step dispatched last
-    saved = start or 0  # the step of the newest checkpoint
     stopped = None  # why the run ended before train.steps
-    skips_in_a_row = [0]
-    last_time = time.perf_counter()
-    step_times: list[float] = []
-    shape_timed = [None]  # (batch, accum) whose step times `step_times` holds
-    seen = [0, 0]  # global-batch samples and tokens trained in this run (energy per sample)
-
-    def drain(item) -> None:
-        nonlocal last_time
-        step_idx, m = item
-        m = jax.device_get(m)
-        now = time.perf_counter()
-        dt, last_time = now - last_time, now
-        if not bool(m["finite"]):
-            skipping = cfg.train.nonfinite == "skip" or cfg.train.compute_dtype == "float16"
-            skips_in_a_row[0] += 1
-            if not skipping or skips_in_a_row[0] > cfg.train.max_consecutive_skips:
-                why = (f"{skips_in_a_row[0]} consecutive non-finite steps" if skipping else
-                       "train.nonfinite='stop'")
-                raise TrainingError(
-                    f"non-finite loss or gradient at step {step_idx + 1} (loss={float(m['loss'])}"
-                    f", grad_norm={float(m['grad_norm'])}, {why}; {nonfinite_groups(m)}); "
-                    f"stopping without writing a checkpoint. The last checkpoint in "
-                    f"{checkpointer.directory} (step {saved}) is intact; lower optim.lr or check "
-                    f"the data.")
-            mx.log(f"skipped step {step_idx + 1}: non-finite loss or gradient (loss scale was "
-                   f"{float(m['loss_scale']):g}; {int(m['skipped_steps'])} skipped so far; "
-                   f"{nonfinite_groups(m)})")
-        else:
-            skips_in_a_row[0] = 0
-        timed = step_idx > start and step_idx not in observer.untimed  # compile / profiler
-        if shape_timed[0] != (m["batch_size"], m["accum_steps"]):  # a new shape (may compile)
-            shape_timed[0], timed = (m["batch_size"], m["accum_steps"]), False
-            step_times.clear()
-        if timed:
-            step_times.append(dt)
-        batcher.observe(m, 1000 * dt if timed else None)  # adaptive batch size: the reading
-        seen[0] += m["batch_size"]
-        seen[1] += m["batch_size"] * cfg.data.seq_len
-        done = step_idx + 1
-        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            typical = float(np.median(step_times[-50:])) if step_times else dt
-            tps = m["batch_size"] * cfg.data.seq_len / typical
-            record = {"step": done, "loss": float(m["loss"]), "lr": float(m["lr"]),
-                      "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps,
-                      "samples_per_sec": m["batch_size"] / typical,
-                      "step_ms": 1000 * typical, "mfu": tps * flops_tok / peak_total,
-                      "loss_scale": float(m["loss_scale"]),
-                      "skipped_steps": int(m["skipped_steps"])}
-            record.update(batcher.record_fields(m, step_idx))
-            record.update(observer.readings())
-            record.update(observer.energy(*seen))
-            if cfg.metrics.cost_per_gpu_hour > 0:
-                record["cost_per_mtok"] = mx.cost_per_million_tokens(
-                    cfg.metrics.cost_per_gpu_hour, jax.device_count(), tps)
-            if "onebit_compressed" in m:
-                record["onebit_compressed"] = int(m["onebit_compressed"])
-            record.update(moe_record(m))
-            if "images" in m:  # images and video frames the step read
-                record["images_per_sec"] = float(m["images"]) / typical
-            writer.write(record, eta_s=typical * (cfg.train.steps - done))
-
-    stops = StopConditions(max_runtime_s, log=mx.log).__enter__()  # signal handlers until the end
     done = start
     try:
-        for step_idx in range(start, cfg.train.steps):
-            typical = float(np.median(step_times[-20:])) if step_times else 0.0
-            stopped = stops.should_stop(step_idx, typical)
-            if stopped:
-                break
-            host_batch, shape = batcher.next_batch()
-            batch = trainer.device_batch(host_batch)
-            if (step_idx + 1) % cfg.train.log_every == 0 or step_idx + 1 == cfg.train.steps:
-                observer.measure_memory(state, batch)  # read by this step's record
-            if observer.profile_due(step_idx):
+        with StopConditions(max_runtime_s, log=mx.log) as stops:  # signal handlers until the end
+            for step_idx in range(start, cfg.train.steps):
+                stopped = stops.should_stop(step_idx, reader.typical(20, 0.0))
+                if stopped:
+                    break
+                host_batch, shape = batcher.next_batch()
+                batch = trainer.device_batch(host_batch)
+                if (step_idx + 1) % cfg.train.log_every == 0 or step_idx + 1 == cfg.train.steps:
+                    observer.measure_memory(state, batch)  # read by this step's record
+                if observer.profile_due(step_idx):
+                    if pending is not None:
+                        reader.read(*pending)
+                        pending = None
+                    state, m = observer.traced_step(step_idx, state, batch)
+                    reader.mark()
+                else:
+                    state, m = trainer.step(state, batch)
+                m.update(batcher.record(shape))  # host values: batch shape, memory, compilations
                 if pending is not None:
-                    drain(pending)
+                    reader.read(*pending)
+                pending = (step_idx, m)
+                done = step_idx + 1
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+                        and done < cfg.train.steps):
+                    reader.read(*pending)  # never checkpoint a step whose loss we have not seen
                     pending = None
-                state, m = observer.traced_step(step_idx, state, batch)
-                last_time = time.perf_counter()
-            else:
-                state, m = trainer.step(state, batch)
-            m.update(batcher.record(shape))  # host values: batch shape, memory, compilations
+                    _save(checkpointer, done, state, batcher, trainer)
+                    reader.saved = done
+                if (cfg.train.eval_every and done % cfg.train.eval_every == 0
+                        and done < cfg.train.steps):
+                    ev = evaluate.evaluate_params(trainer, state.params, splits, cfg)
+                    writer.write_eval(done, ev)
+                    mx.log(f"eval at step {done}: loss {ev['eval_loss']:.4f}")
             if pending is not None:
-                drain(pending)
-            pending = (step_idx, m)
-            done = step_idx + 1
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-                drain(pending)  # never checkpoint a step whose loss we have not seen
-                pending = None
-                save(done)
-                saved = done
-            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                ev = evaluate.evaluate_params(trainer, state.params, splits, cfg)
-                writer.write_eval(done, ev)
-                mx.log(f"eval at step {done}: loss {ev['eval_loss']:.4f}")
-        if pending is not None:
-            drain(pending)
-        if done > saved:  # the end of training, or the step an early stop finished
-            save(done)
-            saved = done
+                reader.read(*pending)
+            if done > reader.saved:  # the end of training, or the step an early stop finished
+                _save(checkpointer, done, state, batcher, trainer)
+                reader.saved = done
     finally:
-        stops.__exit__()
         trainer.programs.close()
         checkpointer.close()
         writer.close()
+    saved = reader.saved
     if stopped:
         mx.log(f"stopped early at step {saved} of {cfg.train.steps} ({stopped}): checkpoint "
                f"written to {checkpointer.directory}; run the same command to resume")
@@ -263,11 +259,11 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         "final_train_loss": history[-1]["loss"] if history else None,
         "median_tokens_per_sec": mx.median_of(history, "tokens_per_sec"),
         "median_step_ms": mx.median_of(history, "step_ms"),
-        "mfu": mx.median_of(history, "mfu"), "mfu_peak_source": peak_source,
+        "mfu": mx.median_of(history, "mfu"), "mfu_peak_source": observer.peak_source,
         **{k: mx.median_of(history, k) for k in ("joules_per_sample", "joules_per_token",
                                                  "cost_per_mtok")
            if any(k in r for r in history)},
-        "flops_per_token": flops_tok, "attention_impl": attention_impl,
+        "flops_per_token": observer.flops_per_token, "attention_impl": attention_impl,
         "pipeline_bubble": bubble_fraction(cfg.pipeline.schedule, cfg.mesh.pipeline,
                                            cfg.pipeline.microbatches, cfg.pipeline.repeats,
                                            moe=cfg.model.n_routed_experts > 0),

@@ -1,5 +1,5 @@
-"""What the loop reports beside the loss: memory, device utilisation, communication share,
-energy per sample."""
+"""What the loop reports: each logged step's metrics.jsonl record (loss, throughput, MFU, and
+beside them memory, device utilisation, communication share, energy per sample, MoE loads)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,25 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from dsjax import metrics as mx
 from dsjax.metrics import trace
 from dsjax.train.step import TrainState
 from dsjax.train.trainer import Trainer
+
+
+def moe_record(m: dict[str, Any]) -> dict[str, Any]:
+    """metrics.jsonl fields of a MoE/MTP model ({} for dense): per-expert load of each MoE layer
+    (share of its assignments; MTP blocks last), its max relative to even, aux and MTP losses."""
+    out = {}
+    if "expert_load" in m:
+        out["expert_load"] = np.round(np.asarray(m["expert_load"], np.float64), 4).tolist()
+        out["expert_load_max"] = float(m["expert_load_max"])
+    for key in ("aux_loss", "mtp_loss"):
+        if key in m:
+            out[key] = float(np.mean(m[key]))
+    return out
 
 
 class Observer:
@@ -26,6 +40,13 @@ class Observer:
 
     def __init__(self, trainer: Trainer, workdir: str):
         self.trainer = trainer
+        cfg = trainer.cfg
+        self.seq_len = cfg.data.seq_len
+        self.cost_per_gpu_hour = cfg.metrics.cost_per_gpu_hour
+        # MFU: model FLOPs per token over the devices' peak (datasheet, or measured on CPU).
+        self.flops_per_token = mx.flops_per_token(cfg.model, cfg.data.seq_len, cfg.vision)
+        peak, self.peak_source = mx.peak_flops_per_device(cfg.metrics.peak_flops_per_device)
+        self.peak_total = peak * jax.device_count()
         self.every = trainer.cfg.metrics.profile_every
         self.logdir = os.path.join(workdir, "tensorboard")
         self.device = trainer.mesh.local_devices[0]  # addressable by this process
@@ -61,6 +82,32 @@ class Observer:
                f"{', '.join(sorted(share['kinds'])) or 'no collectives'}); trace in "
                f"{run_dir}")
         return state, m
+
+    def record(self, m: dict[str, Any], step: int, typical_s: float,
+               batch_fields: dict[str, Any], samples: int, tokens: int) -> dict[str, Any]:
+        """The metrics.jsonl record of `step` (1-based) from its host metrics `m`: throughput
+        and MFU at the typical step time `typical_s`, the batcher's `batch_fields`, this
+        observer's readings, energy since the last record (`samples`, `tokens`: totals so far),
+        cost, 1-bit Adam's phase, MoE loads and images per second."""
+        tps = m["batch_size"] * self.seq_len / typical_s
+        record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
+                  "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps,
+                  "samples_per_sec": m["batch_size"] / typical_s,
+                  "step_ms": 1000 * typical_s, "mfu": tps * self.flops_per_token / self.peak_total,
+                  "loss_scale": float(m["loss_scale"]),
+                  "skipped_steps": int(m["skipped_steps"])}
+        record.update(batch_fields)
+        record.update(self.readings())
+        record.update(self.energy(samples, tokens))
+        if self.cost_per_gpu_hour > 0:
+            record["cost_per_mtok"] = mx.cost_per_million_tokens(
+                self.cost_per_gpu_hour, jax.device_count(), tps)
+        if "onebit_compressed" in m:
+            record["onebit_compressed"] = int(m["onebit_compressed"])
+        record.update(moe_record(m))
+        if "images" in m:  # images and video frames the step read
+            record["images_per_sec"] = float(m["images"]) / typical_s
+        return record
 
     def readings(self) -> dict[str, Any]:
         out = dict(self.comm)

@@ -81,7 +81,12 @@ class Trainer:
     @functools.cached_property
     def programs(self) -> batching.Programs:
         """The step compiled once per phase and batch shape, ahead of time (dsjax.batching)."""
-        return batching.Programs(self)
+        cfg = self.cfg
+        return batching.Programs(self.phase_fns, self.mesh, self.rules, self.state_shardings,
+                                 self.abstract_state, self.batch_shardings, self.media,
+                                 cfg.data.seq_len,
+                                 cfg.batch.reference_batch or cfg.data.global_batch,
+                                 cfg.batch.lr_scaling)
 
     def _shape(self, batch: dict[str, Any]) -> batching.Shape:
         return batching.batch_shape(batch, sharding.data_size(self.mesh))
