@@ -62,10 +62,10 @@ def host_batches(seq_len: int, batch: int, count: int, source: str = "stdlib",
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     if source == "stdlib":
-        from dsjax.data import build_stdlib_corpus, train_iterator  # pylint: disable=C0415
+        from dsjax.data import SampleStream, build_stdlib_corpus  # pylint: disable=C0415
         train_dir, _ = build_stdlib_corpus(data_dir, max_bytes=4_000_000)
-        it = train_iterator(train_dir, seq_len, batch, seed, prefetch=0)
-        batches = [dict(next(it)) for _ in range(count)]
+        stream = SampleStream(train_dir, seq_len, seed, prefetch=0)
+        batches = [stream.take(batch) for _ in range(count)]
     elif source == "synthetic":
         rng = np.random.default_rng(seed)
         batches = []

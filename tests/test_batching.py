@@ -19,6 +19,7 @@ from dsjax import batching, fp8
 from dsjax import config as config_lib
 from dsjax.config import BatchConfig, ConfigError
 from dsjax.data import SampleStream, ShardWriter, ByteTokenizer
+from dsjax.errors import DataError
 from dsjax.data.shards import PackedSource
 from dsjax.optim import make_optimizer
 from dsjax.train import build_trainer
@@ -551,6 +552,13 @@ def test_legacy_iterator_state_resumes_at_the_same_sample(split):
     legacy.set_state({"next_index": 3})  # a fixed-batch iterator's state: 3 batches of 8
     assert legacy.get_state() == {"cursor": 24}
     assert _ids(legacy.take(8)["inputs"], index) == _ids(fresh.take(8)["inputs"], index)
+
+
+def test_a_batch_counter_state_without_its_batch_size_is_named(split):
+    # A mixed stream has no fixed batch to turn the old counter into a sample cursor.
+    path, seq_len, _ = split
+    with pytest.raises(DataError, match=r"a batch counter, written before the sample cursor"):
+        SampleStream(path, seq_len, 5, prefetch=0).set_state({"next_index": 3})
 
 
 # ---------------------------------------------------------------------------------------------

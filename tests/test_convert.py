@@ -26,7 +26,7 @@ from conftest import ROOT, load_safetensors_dir
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import convert
-from dsjax.data import eval_batches, load_tokenizer, prepare_text, train_iterator
+from dsjax.data import SampleStream, eval_batches, load_tokenizer, prepare_text
 from dsjax.model import Transformer
 from dsjax.model.decoder import abstract_params
 
@@ -350,7 +350,7 @@ def test_training_continues_from_a_converted_checkpoint(tmp_path):
         losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
 
     # The run's first batch, rebuilt: same split, seq_len, global batch and seed (train.seed 0).
-    batch = next(train_iterator(os.path.join(data, "train"), 32, 8, seed=0))
+    batch = SampleStream(os.path.join(data, "train"), 32, 0, prefetch=0).take(8)
     want = hf_weighted_loss(hf_model(hf_dir), batch)
     # float32 forward on both sides; 1e-4 relative leaves ~10x room over summation-order noise.
     assert losses[0] == pytest.approx(want, rel=1e-4)

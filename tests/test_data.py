@@ -15,8 +15,8 @@ import pytest
 
 from conftest import file_digests
 from dsjax.data import (ByteTokenizer, DataError, HFTokenizer, PackedSource, ShardWriter,
-                        build_stdlib_corpus, eval_batches, load_tokenizer, make_example,
-                        prepare_text, train_dataset, train_iterator)
+                        SampleStream, build_stdlib_corpus, eval_batches, load_tokenizer,
+                        make_example, prepare_text)
 from dsjax.data.prepare import main as prepare_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -273,11 +273,11 @@ def _row_ids(batches, index):
     return [index[row.astype(np.int32).tobytes()] for b in batches for row in b["inputs"]]
 
 
-def test_train_iterator_epochs_are_fresh_permutations(unique_rows):
+def test_train_stream_epochs_are_fresh_permutations(unique_rows):
     path, seq_len, index = unique_rows
     n, batch = len(index), 4
-    it = train_iterator(path, seq_len, batch, seed=11)
-    batches = [next(it) for _ in range(-(-2 * n // batch))]
+    it = SampleStream(path, seq_len, 11)
+    batches = [it.take(batch) for _ in range(-(-2 * n // batch))]
     assert all(b["inputs"].shape == (batch, seq_len) for b in batches)
     assert set(batches[0]) == {"inputs", "targets", "segment_ids", "positions", "weights"}
     ids = _row_ids(batches, index)
@@ -285,7 +285,7 @@ def test_train_iterator_epochs_are_fresh_permutations(unique_rows):
     assert sorted(epoch1) == list(range(n)) and sorted(epoch2) == list(range(n))
     assert epoch1 != epoch2
     assert epoch1 != list(range(n))  # actually shuffled
-    other = _row_ids([next(train_iterator(path, seq_len, batch, seed=12))], index)
+    other = _row_ids([SampleStream(path, seq_len, 12).take(batch)], index)
     assert other != epoch1[:batch]  # the seed matters
 
 
@@ -293,10 +293,10 @@ def test_train_processes_split_one_global_stream(unique_rows):
     path, seq_len, index = unique_rows
     n, batch = len(index), 2
     steps = -(-n // (2 * batch))
-    single = _row_ids([train_dataset(path, seq_len, 2 * batch, seed=3)[k] for k in range(steps)],
-                      index)
-    per_process = [_row_ids([train_dataset(path, seq_len, batch, 3, p, 2)[k] for k in range(steps)],
-                            index) for p in range(2)]
+    one = SampleStream(path, seq_len, 3, prefetch=0)
+    single = _row_ids([one.take(2 * batch) for _ in range(steps)], index)
+    streams = [SampleStream(path, seq_len, 3, p, 2, prefetch=0) for p in range(2)]
+    per_process = [_row_ids([s.take(2 * batch) for _ in range(steps)], index) for s in streams]
     # Process p holds global stream items p, p+2, ...: disjoint, together one epoch.
     assert not set(per_process[0][:n // 2]) & set(per_process[1][:n // 2])
     assert sorted(per_process[0][:(n + 1) // 2] + per_process[1][:n // 2]) == list(range(n))
@@ -307,18 +307,18 @@ def test_train_processes_split_one_global_stream(unique_rows):
         assert sorted(together) == sorted(single[k * 2 * batch:(k + 1) * 2 * batch])
 
 
-def test_train_iterator_state_round_trips_through_json(unique_rows):
+def test_train_stream_state_round_trips_through_json(unique_rows):
     path, seq_len, _ = unique_rows
     rng = np.random.default_rng(8)
-    it = train_iterator(path, seq_len, 3, seed=5, prefetch=2)
+    it = SampleStream(path, seq_len, 5, prefetch=2, prefetch_rows=6)
     for _ in range(int(rng.integers(3, 30))):
-        next(it)
+        it.take(3)
     state = json.dumps(it.get_state())
-    expected = [next(it) for _ in range(3)]
-    fresh = train_iterator(path, seq_len, 3, seed=5, prefetch=2)
-    first = next(fresh)
+    expected = [it.take(3) for _ in range(3)]
+    fresh = SampleStream(path, seq_len, 5, prefetch=2, prefetch_rows=6)
+    first = fresh.take(3)
     fresh.set_state(json.loads(state))
-    resumed = [next(fresh) for _ in range(3)]
+    resumed = [fresh.take(3) for _ in range(3)]
     assert not np.array_equal(first["inputs"], expected[0]["inputs"])  # restoring mattered
     for want, got in zip(expected, resumed):
         assert set(want) == set(got)

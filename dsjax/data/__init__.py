@@ -11,8 +11,7 @@ the config) says where a run's train and held-out shards are. Multimodal splits 
 from dsjax.errors import DataError
 from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from dsjax.data.shards import PackedSource, ShardWriter
-from dsjax.data.stream import (SampleStream, eval_batches, make_example, train_dataset,
-                               train_iterator)
+from dsjax.data.stream import SampleStream, eval_batches, make_example
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
 from dsjax.data.media import MediaError, load_image, load_video
 from dsjax.data.mm_shards import MultimodalWriter
@@ -38,9 +37,7 @@ __all__ = [
     "load_tokenizer",
     "PackedSource",
     "ShardWriter",
-    "train_iterator",
     "SampleStream",
-    "train_dataset",
     "eval_batches",
     "make_example",
     "build_stdlib_corpus",

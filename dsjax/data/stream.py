@@ -76,22 +76,14 @@ def _examples(split_dir: str, seq_len: int, seed: int, process_index: int, proce
     return ds[process_index::process_count].map(make_example)
 
 
-def train_dataset(split_dir: str, seq_len: int, batch_per_process: int, seed: int,
-                  process_index: int = 0, process_count: int = 1):
-    """Infinite `grain.MapDataset` of this process's batches, reshuffled every epoch."""
-    if batch_per_process < 1:
-        raise ValueError(f"batch_per_process must be >= 1, got {batch_per_process}")
-    return _examples(split_dir, seq_len, seed, process_index, process_count).batch(
-        batch_per_process, drop_remainder=True)
-
-
 class SampleStream:
     """The training stream read by a global sample cursor: `take(n)` returns this process's rows
     of stream items [cursor, cursor + n) (items p, p+P, ... of them, stacked) and advances the
-    cursor by n. Any sequence of batch sizes therefore reads every sample exactly once, in order;
-    for a fixed size G it yields exactly `train_iterator`'s batches. State: {"cursor": samples
-    consumed, over all processes}; `set_state` also reads a fixed-size iterator's
-    {"next_index": batches} given that size (`legacy_batch`), so older checkpoints resume.
+    cursor by n. Any sequence of batch sizes therefore reads every sample exactly once, in order.
+    It is the one training stream. State: {"cursor": samples consumed, over all processes};
+    `set_state` also reads the batch counter {"next_index": batches} that checkpoints held
+    before the cursor (the fixed-batch iterator, since removed), given that batch size
+    (`legacy_batch`): a single-source stream of such a checkpoint resumes at the same sample.
     `prefetch_rows` rows are read ahead by `prefetch` threads (0: read on `take`).
     """
 
@@ -137,6 +129,10 @@ class SampleStream:
             cursor = int(state["cursor"])
         elif "next_index" in state and self.legacy_batch:
             cursor = int(state["next_index"]) * self.legacy_batch
+        elif "next_index" in state:
+            raise DataError(f"data iterator state {state!r}: a batch counter, written before "
+                            f"the sample cursor (the fixed-batch iterator's checkpoints); only "
+                            f"a single-source stream (no data.mix, no vision) resumes it")
         else:
             raise DataError(f"unreadable data iterator state {state!r}")
         if cursor % self.process_count:
@@ -144,21 +140,6 @@ class SampleStream:
                             f"processes")
         self._it.set_state({"next_index": cursor // self.process_count})
         self.cursor = cursor
-
-
-def train_iterator(split_dir: str, seq_len: int, batch_per_process: int, seed: int,
-                   process_index: int = 0, process_count: int = 1, prefetch: int = 2):
-    """Prefetching `grain.DatasetIterator` over `train_dataset`; state is {"next_index": int}.
-
-    `prefetch` batches are built ahead by as many threads (0: build each batch on `next`).
-    `json.dumps(it.get_state())` round-trips; `set_state` on a fresh iterator over the same split
-    and arguments resumes with exactly the batch the original would have yielded next.
-    """
-    import grain  # pylint: disable=g-import-not-at-top
-
-    ds = train_dataset(split_dir, seq_len, batch_per_process, seed, process_index, process_count)
-    options = grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=prefetch)
-    return iter(ds.to_iter_dataset(options))
 
 
 def eval_batches(split_dir: str, seq_len: int, batch: int, max_batches: int) -> list[dict]:
