@@ -15,6 +15,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsjax-test-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# One stdlib corpus for the session, in the same way: every launched run that reads the stdlib
+# corpus and names no data.path of its own reads this one (`launch_flags`) instead of building
+# its own 12 MB copy in its workdir, as about 30 launches once did.
+if "DSJAX_TEST_DATA_DIR" not in os.environ:
+    os.environ["DSJAX_TEST_DATA_DIR"] = tempfile.mkdtemp(prefix="dsjax-test-data-")
+    atexit.register(shutil.rmtree, os.environ["DSJAX_TEST_DATA_DIR"], True)
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -108,13 +114,44 @@ def load_safetensors_dir(directory):
     return out
 
 
+def session_stdlib_corpus():
+    """The session's stdlib corpus directory, built by whichever process asks first (a file lock
+    keeps the xdist workers from building it twice at once)."""
+    import fcntl
+    from dsjax.data import build_stdlib_corpus
+    path = os.path.join(os.environ["DSJAX_TEST_DATA_DIR"], "stdlib")
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_stdlib_corpus(path)
+    return path
+
+
+def _config_source(config):
+    """data.source of `config` ("configs/NAME.py[:ARG]") as its get_config sets it."""
+    import importlib.util
+    path, _, arg = config.partition(":")
+    spec = importlib.util.spec_from_file_location("_test_config", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg or None).data.source
+
+
+def launch_flags(config, overrides):
+    """TINY_FLAGS under `overrides`; a run of the stdlib corpus that names no data.path of its
+    own reads the session's corpus."""
+    flags = {**TINY_FLAGS, **(overrides or {})}
+    if "data.path" not in flags and flags.get("data.source", _config_source(config)) == "stdlib":
+        flags["data.path"] = session_stdlib_corpus()
+    return flags
+
+
 def run_launch(workdir, overrides=None, mode="train", config="configs/cpu_tiny.py", timeout=600,
                xla_flags=None):
     """Runs `python launch.py` as a user would; returns the CompletedProcess. Without `xla_flags`
     launch.py gives itself as many simulated CPU devices as the mesh needs."""
     import subprocess
     import sys
-    flags = {**TINY_FLAGS, **(overrides or {})}
+    flags = launch_flags(config, overrides)
     cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
            f"--workdir={workdir}", f"--mode={mode}"]
     cmd += [f"--config.{k}={v}" for k, v in flags.items()]

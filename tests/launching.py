@@ -8,13 +8,13 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, TINY_FLAGS
+from conftest import ROOT, launch_flags
 from dsjax import checkpoint as ckpt
 
 
 def start(workdir, flags, config="configs/cpu_tiny.py", extra=(), stderr=subprocess.PIPE):
     """`launch.py` in the background with TINY_FLAGS under `flags`; returns the Popen."""
-    flags = {**TINY_FLAGS, **flags}
+    flags = launch_flags(config, flags)
     cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
            f"--workdir={workdir}"]
     cmd += [f"--config.{k}={v}" for k, v in flags.items()] + list(extra)
