@@ -36,7 +36,7 @@ train: $(RUN_STAMP)
 # can put a crashed test back in the queue only under load or worksteal (loadfile reported the
 # crash as a failure), and worksteal also splits the longest file over both workers.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 --dist worksteal -q --reruns 1 --only-rerun "crashed while running" tests
+	$(PY) -m pytest -n 2 --dist worksteal -q --durations=25 --reruns 1 --only-rerun "crashed while running" tests
 
 clean:
 	rm -rf runs .pytest_cache
