@@ -63,6 +63,7 @@ def validate(cfg: Config) -> None:
     _bounds("metrics", cfg.metrics,
             non_negative="peak_flops_per_device profile_every cost_per_gpu_hour")
     compositions(cfg)
+    validate_mesh_fit(cfg)
 
 
 def validate_model(cfg: Config) -> None:
@@ -134,6 +135,11 @@ def validate_mesh(cfg: Config) -> None:
         if hosts and getattr(cfg.mesh, key) % hosts:
             raise ConfigError(f"mesh.dcn_{key}: mesh.{key} {getattr(cfg.mesh, key)} must split "
                               f"evenly over the {hosts} hosts it spans")
+    one_of("mesh.xla_profile", cfg.mesh.xla_profile, xla_flags.PROFILES, "profile")
+
+
+def validate_mesh_fit(cfg: Config) -> None:
+    """What must divide over the mesh's axes; checked last, once every field is known good."""
     mesh, m = cfg.mesh, cfg.model
     for field, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
                          ("model.mlp_dim", m.mlp_dim), ("model.vocab_size", m.vocab_size)):
@@ -142,7 +148,6 @@ def validate_mesh(cfg: Config) -> None:
     if mesh.fsdp and m.hidden_size % mesh.data:
         raise ConfigError(f"model.hidden_size: {m.hidden_size} is not divisible by mesh.data "
                           f"{mesh.data} (needed by mesh.fsdp)")
-    one_of("mesh.xla_profile", cfg.mesh.xla_profile, xla_flags.PROFILES, "profile")
 
 
 def validate_data(cfg: Config) -> None:
