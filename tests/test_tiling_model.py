@@ -200,8 +200,9 @@ def test_cpu_vl_tiled_trains_evaluates_and_refuses_export(tmp_path, capsys):
     # The learned rows train: AdamW moves an element with a gradient by about the step's lr;
     # weight decay alone (all a row the tiled batches never reach gets) scales it by
     # prod(1 - lr * wd). What is left after the decay must be a visible share of the lr
-    # (measured: the full lr for both rows; 1e-8 when the rows get no gradient).
-    cfg = config_lib.load("configs/cpu_vl.py", small)
+    # (measured: the full lr for both rows; 1e-8 when the rows get no gradient). Adam's
+    # first steps move no element by much more than the lr: more means another init.
+    cfg = config_lib.load("configs/cpu_vl.py", {**TINY_FLAGS, **small})  # as run_launch
     trainer = build_trainer(cfg)
     before = jax.device_get(trainer.init().params)["projector"]  # the run's seed
     after = jax.device_get(ckpt.restore_params(os.path.join(workdir, "checkpoints"),
@@ -211,7 +212,7 @@ def test_cpu_vl_tiled_trains_evaluates_and_refuses_export(tmp_path, capsys):
     decayed = np.prod([1 - lr * cfg.optim.weight_decay for lr in lrs])
     for name in ("image_newline", "view_separator"):
         moved = np.abs(after[name] - before[name] * decayed).max()
-        assert moved > 0.1 * max(lrs), (name, moved, lrs)
+        assert 0.1 * max(lrs) < moved < 2 * max(lrs), (name, moved, lrs)
     assert summary["image_grounding"]["digits_scored"] == 100
     assert summary["video_grounding"]["clips_scored"] == 30
     assert proc.stdout.count("caption of held-out digit") == 3, proc.stdout[-2000:]
