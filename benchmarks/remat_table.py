@@ -65,8 +65,9 @@ def main(argv=None) -> dict:
         baseline = report.parse_overrides(args.baseline)
     except ValueError as e:
         parser.error(f"--baseline {e}")
-    cfg = _one_device(config_lib.load(args.config, overrides), args)
-    base_cfg = (_one_device(config_lib.load(args.config, {**overrides, **baseline}), args)
+    one = _one_device(args)
+    cfg = config_lib.load(args.config, {**overrides, **one})
+    base_cfg = (config_lib.load(args.config, {**overrides, **baseline, **one})
                 if baseline else None)
     name = " ".join([args.config] + [f"--set {item}" for item in args.set])
     mesh = sharding.make_mesh(cfg, jax.devices()[:1])
@@ -126,13 +127,17 @@ def main(argv=None) -> dict:
     return result
 
 
-def _one_device(cfg, args):
-    """cfg on one device: `--micro_batch` rows of `--seq_len` (or the config's) tokens."""
-    data = dataclasses.replace(cfg.data, global_batch=args.micro_batch,
-                               seq_len=args.seq_len or cfg.data.seq_len)
-    train = dataclasses.replace(cfg.train, compute_dtype=args.dtype or cfg.train.compute_dtype)
-    mesh_cfg = dataclasses.replace(cfg.mesh, data=1, tensor=1, pipeline=1, fsdp=False)
-    return dataclasses.replace(cfg, data=data, train=train, mesh=mesh_cfg)
+def _one_device(args) -> dict:
+    """The overrides that put a config on one device with `--micro_batch` rows of `--seq_len`
+    (or the config's) tokens; applied before the config is validated, so a width that only
+    divides one device (e.g. 4 heads of a tensor-8 config) loads."""
+    one = {"mesh.data": 1, "mesh.tensor": 1, "mesh.pipeline": 1, "mesh.fsdp": False,
+           "data.global_batch": args.micro_batch}
+    if args.seq_len:
+        one["data.seq_len"] = args.seq_len
+    if args.dtype:
+        one["train.compute_dtype"] = args.dtype
+    return one
 
 
 if __name__ == "__main__":
