@@ -20,7 +20,7 @@ from dsjax.data import (ByteTokenizer, DataError, MediaError, MultimodalSource, 
                         PackedSource, ShardWriter, load_image, load_video, make_example,
                         mixed_eval_batches, mixed_stream, parse_mix)
 from dsjax.data.mixture import MixedIndex
-from dsjax.data.mm_prepare import build_document, iter_records, prepare_multimodal
+from dsjax.data.multimodal.prepare import build_document, iter_records, prepare_multimodal
 from dsjax.data.prepare import main as prepare_main
 
 IMG, FRAME, EOS = 257, 258, 256  # byte tokenizer: the first ids after its 257

@@ -1,6 +1,6 @@
 """Tests for the data side of DeepSeek-VL2 dynamic tiling: grid choice and feature-row layout
-(dsjax.data.tiling), view loading (media), tiled prepare and shards (mm_prepare, mm_shards),
-packing with feature indices (mm_layout, mm_pack), mixing, the vl corpus cache, and caption rows
+(dsjax.data.multimodal.tiling), view loading (media), tiled prepare and shards (prepare, shards),
+packing with feature indices (layout, pack), mixing, the vl corpus cache, and caption rows
 (grounding).
 
 Expected grids, token counts and layouts are worked out by hand in the comments; expected pixels
@@ -21,11 +21,11 @@ from PIL import Image
 from dsjax.evaluate import grounding
 from dsjax.data import (ByteTokenizer, DataError, MultimodalSource, MultimodalWriter,
                         ShardWriter, make_example, mixed_eval_batches, mixed_stream)
-from dsjax.data import vl_sources
-from dsjax.data.media import load_image_views, load_video
-from dsjax.data.mm_prepare import Record, build_document
+from dsjax.data.multimodal import vl_sources
+from dsjax.data.multimodal.media import load_image_views, load_video
+from dsjax.data.multimodal.prepare import Record, build_document
 from dsjax.data.prepare import main as prepare_main
-from dsjax.data.tiling import best_grid, feature_rows, image_tokens
+from dsjax.data.multimodal.tiling import best_grid, feature_rows, image_tokens
 
 IMG, FRAME, EOS = 257, 258, 256  # byte tokenizer: the first ids after its 257
 GREY = 127  # the pad colour: SigLIP's mean 0.5 in uint8

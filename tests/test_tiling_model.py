@@ -1,4 +1,4 @@
-"""DeepSeek-VL2 tiling on the model side: the feature order `dsjax.data.tiling` writes, placed by
+"""DeepSeek-VL2 tiling on the model side: the feature order `data.multimodal.tiling` writes, placed by
 the model, equals VL2's own assembly (rearrange, newline columns, separator, masked scatter); the
 decoder and a pipeline's stage 0 both place it; the learned rows train."""
 
@@ -16,7 +16,7 @@ from conftest import FLAT_MESH, TINY_FLAGS, random_batch, read_records, run_laun
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import convert, pipeline, sharding
-from dsjax.data.tiling import feature_rows, image_tokens, num_views
+from dsjax.data.multimodal.tiling import feature_rows, image_tokens, num_views
 from dsjax.model import Transformer
 from dsjax.model.batch import media_layout
 from dsjax.model.loss import ModelLoss, loss_fn

@@ -1,4 +1,5 @@
-"""Tests for dsjax.data.vl_corpus: the captioned-digit, moving-digit, photo and GIF corpus.
+"""Tests for dsjax.data.multimodal.vl_corpus: the captioned-digit, moving-digit, photo and GIF
+corpus.
 
 Every check decodes the written files with Pillow or PyAV and compares against scikit-learn's own
 digits and labels (each image is traced back to its sklearn sample by its pixels, each clip by
@@ -15,7 +16,7 @@ import skimage.data
 from PIL import Image
 from sklearn.datasets import load_digits, load_sample_images
 
-from dsjax.data.vl_corpus import build_vl_corpus, candidate_captions
+from dsjax.data.multimodal.vl_corpus import build_vl_corpus, candidate_captions
 from dsjax.errors import DataError
 
 # Written out here, not imported: a typo in the module's tables must fail these tests.

@@ -18,9 +18,9 @@ from dsjax import config as config_lib
 from dsjax import convert
 from dsjax import pipeline, sharding
 from dsjax.data import mixed_stream
-from dsjax.data.mm_prepare import prepare_multimodal
+from dsjax.data.multimodal.prepare import prepare_multimodal
 from dsjax.data.prepare import prepare_text
-from dsjax.data.vl_corpus import build_vl_corpus
+from dsjax.data.multimodal.vl_corpus import build_vl_corpus
 from dsjax.model.loss import ModelLoss, loss_fn
 from dsjax.train import build_trainer
 

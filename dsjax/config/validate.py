@@ -167,7 +167,7 @@ def validate_data(cfg: Config) -> None:
                               "vl_corpus sources; set data.source='prepared' or 'vl_corpus'")
         mix_weights(d.mix)
     if d.source == "vl_corpus":
-        # Text from the stdlib corpus, captioned digits and clips (dsjax/data/vl_sources.py).
+        # Stdlib text, captioned digits and clips (dsjax/data/multimodal/vl_sources.py).
         if not d.mix:
             raise ConfigError("data.mix: data.source='vl_corpus' mixes its sources text, image "
                               "and video by weight; set e.g. 'text:0.3,image:0.5,video:0.2'")

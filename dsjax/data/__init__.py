@@ -3,9 +3,9 @@
 Shards hold a tokenized document stream; packing into rows of `seq_len + 1` tokens happens at read
 time, so one prepared corpus serves every sequence length. Importing this package costs numpy only:
 Grain (which imports JAX) is loaded when a stream is first built. `splits` (which imports JAX and
-the config) says where a run's train and held-out shards are. Multimodal splits (`mm_shards`,
-`mm_pack`, prepared by `mm_prepare`, media decoded by `media`) hold images beside the tokens;
-`mixture` mixes sources of either kind by weight.
+the config) says where a run's train and held-out shards are. Multimodal splits (`multimodal/`:
+prepared, stored, packed, media decoded) hold images beside the tokens; `mixture` mixes sources
+of either kind by weight.
 """
 
 from dsjax.errors import DataError
@@ -13,9 +13,9 @@ from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from dsjax.data.shards import PackedSource, ShardWriter
 from dsjax.data.stream import SampleStream, eval_batches, make_example
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
-from dsjax.data.media import MediaError, load_image, load_video
-from dsjax.data.mm_shards import MultimodalWriter
-from dsjax.data.mm_pack import MultimodalSource
+from dsjax.data.multimodal.media import MediaError, load_image, load_video
+from dsjax.data.multimodal.shards import MultimodalWriter
+from dsjax.data.multimodal.pack import MultimodalSource
 from dsjax.data.mixture import mixed_eval_batches, mixed_stream, parse_mix
 
 

@@ -10,7 +10,7 @@ is row b * count_k + r of source k's own stream: its rows shuffled per epoch and
 single-source stream. Proportions are therefore exact per block (to 1 / BLOCK), not only on
 average, and no sample index depends on the ones read before it.
 
-Text splits (`shards`) and multimodal splits (`mm_shards`) mix alike: when any source is
+Text splits (`shards`) and multimodal splits (`multimodal.shards`) mix alike: when any source is
 multimodal, every example carries pixels and image_mask, zeros and all-False for text rows (and
 with tiling, `max_tiles` > 0, feature_index zeros), so all rows have the same keys and shapes.
 """
@@ -24,8 +24,8 @@ import numpy as np
 
 from dsjax.config.validate import mix_weights
 from dsjax.errors import DataError
-from dsjax.data.mm_pack import MultimodalSource
-from dsjax.data.mm_shards import is_multimodal
+from dsjax.data.multimodal.pack import MultimodalSource
+from dsjax.data.multimodal.shards import is_multimodal
 from dsjax.data.shards import PackedSource
 from dsjax.data.stream import SampleStream, make_example
 

@@ -7,7 +7,7 @@ Two passes over the input: the first reads and checks every document (so a bad l
 anything is written) and assigns it to train or eval by a seeded hash of its *content* -- the
 same text always lands in the same split, so duplicates cannot leak from train into eval; the
 second tokenizes and writes. Bad input exits with code 2 and one line naming the file and line.
-`--format multimodal` (JSONL with images and videos, `--image_size N`) is `mm_prepare`.
+`--format multimodal` (JSONL with images and videos, `--image_size N`) is `multimodal.prepare`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from dsjax.config.sections import DataConfig, VisionConfig
 from dsjax.errors import DataError
 from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
-from dsjax.data.mm_prepare import prepare_multimodal
+from dsjax.data.multimodal.prepare import prepare_multimodal
 from dsjax.data.shards import ShardWriter
 from dsjax.data.tokenizers import load_tokenizer
 

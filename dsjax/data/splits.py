@@ -13,7 +13,7 @@ import jax
 from dsjax.config import Config, mix_weights
 from dsjax.data.shards import PackedSource
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
-from dsjax.data.vl_sources import build_vl_sources
+from dsjax.data.multimodal.vl_sources import build_vl_sources
 from dsjax.errors import DataError
 
 

@@ -7,7 +7,8 @@ caption loss with the true and with a shuffled image, and `digit_accuracy`, the 
 digits whose true caption has the lowest loss of the ten "a handwritten digit <name>" (chance
 0.1). `video_grounding`: `direction_accuracy` over the four "the digit <d> moves <dir>" captions
 of each held-out clip (chance 0.25). Each scored text is its own row, exactly as the prepare tool
-builds a record, placeholders expanded as the data pipeline does (`mm_layout`, tiled or not).
+builds a record, placeholders expanded as the data pipeline does (`multimodal.layout`, tiled or
+not).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from dsjax import metrics as mx
 from dsjax import sharding
 from dsjax.config import Config
 from dsjax.data import ByteTokenizer
-from dsjax.data.media import load_image, load_image_views
-from dsjax.data.mm_layout import MediaLayout
-from dsjax.data.mm_prepare import Record, build_document
+from dsjax.data.multimodal.media import load_image, load_image_views
+from dsjax.data.multimodal.layout import MediaLayout
+from dsjax.data.multimodal.prepare import Record, build_document
 from dsjax.data.splits import prepared_max_tiles
-from dsjax.data.vl_corpus import DIRECTIONS, candidate_captions, record_text
-from dsjax.data.vl_sources import eval_labels
+from dsjax.data.multimodal.vl_corpus import DIRECTIONS, candidate_captions, record_text
+from dsjax.data.multimodal.vl_sources import eval_labels
 from dsjax.errors import DataError
 from dsjax.model.batch import media_args
 

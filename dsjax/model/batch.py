@@ -21,7 +21,8 @@ MEDIA_KEYS = ("pixels", "image_mask", "feature_index")
 def media_layout(vision: Any, seq_len: int) -> dict[str, tuple[tuple[int, ...], Any]]:
     """{key: (per-row dims, dtype)} of a batch's media arrays for a `VisionConfig` and rows of
     `seq_len` inputs; {} for a text model. Every row has `vision.max_images` view slots (static
-    shapes under jit); tiling adds the feature row of each input position (dsjax.data.tiling)."""
+    shapes under jit); tiling adds the feature row of each input position
+    (dsjax.data.multimodal.tiling)."""
     if not vision.enabled:
         return {}
     M, H = vision.max_images, vision.image_size

@@ -8,7 +8,7 @@ images, in slot order of the slots that hold one (HF `masked_scatter` order, per
 
 With DeepSeek-VL2 tiling the order is the data pipeline's instead: `insert_tiled_features` takes
 each placeholder's row of a table of all slots' features followed by the learned newline and
-separator rows, at the index the batch's `feature_index` gives (dsjax.data.tiling).
+separator rows, at the index the batch's `feature_index` gives (dsjax.data.multimodal.tiling).
 """
 
 from __future__ import annotations

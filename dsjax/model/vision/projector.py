@@ -39,7 +39,8 @@ def pixel_unshuffle(x_BPD: jax.Array) -> jax.Array:
     return x.reshape(B, s * s, 4 * D)
 
 
-# The tiling rows, in the order `dsjax.data.tiling` indexes them after the views' features.
+# The tiling rows, in the order `dsjax.data.multimodal.tiling` indexes them after the views'
+# features.
 TILE_ROWS = ("image_newline", "view_separator")
 
 

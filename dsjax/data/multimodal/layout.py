@@ -1,5 +1,5 @@
 """How a document's image placeholders become decoder positions: the one expansion that packing
-(`mm_pack`) and caption scoring (`dsjax.evaluate.grounding`) share.
+(`pack`) and caption scoring (`dsjax.evaluate.grounding`) share.
 
 Untiled, each placeholder becomes `tokens_per_image` copies of itself, one per view slot filled in
 order, and the model fills them from the slots' features in order. With DeepSeek-VL2 tiling
@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from dsjax.data.tiling import feature_rows, image_tokens, num_views
+from dsjax.data.multimodal.tiling import feature_rows, image_tokens, num_views
 
 
 def per_grid(fn: Callable[[tuple[int, int]], int], grids: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Packing a multimodal split into rows at read time: placeholders expanded, whole documents.
 
-Each image placeholder becomes its positions of `image_token_id` (`mm_layout`: untiled
+Each image placeholder becomes its positions of `image_token_id` (`layout`: untiled
 `tokens_per_image` copies, the vision tower's output length, e.g. (image_size / patch)^2; tiled,
 DeepSeek-VL2's global view, separator and tiles with their row newlines); whole documents are
 packed greedily into rows of seq_len + 1 tokens holding at most `max_images` view slots (an image
@@ -25,8 +25,8 @@ import os
 import numpy as np
 
 from dsjax.errors import DataError
-from dsjax.data.mm_layout import MediaLayout
-from dsjax.data.mm_shards import check_shard, load_shard, read_mm_meta, split_max_tiles
+from dsjax.data.multimodal.layout import MediaLayout
+from dsjax.data.multimodal.shards import check_shard, load_shard, read_mm_meta, split_max_tiles
 
 PAD_ID = 0  # padding token; its segment id is 0 and it is never a target
 
@@ -48,7 +48,7 @@ class MultimodalSource:
     """Grain random-access source: row i -> {"tokens", "segment_ids", "target_mask"} [seq_len + 1],
     "pixels" uint8 [max_images, size, size, 3] (view slots in placeholder order, zeros in empty
     slots), "image_mask" bool [max_images] and, tiled, "feature_index" int32 [seq_len + 1] (each
-    image position's feature-table index, `mm_layout`; 0 elsewhere). `make_example` turns a row
+    image position's feature-table index, `layout`; 0 elsewhere). `make_example` turns a row
     into a training example.
 
     `image_size` is the model's and `max_tiles` its tiling (0: none; `tokens_per_image` is then a

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 
-from dsjax.data.mm_prepare import prepare_multimodal
+from dsjax.data.multimodal.prepare import prepare_multimodal
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
-from dsjax.data.vl_corpus import build_vl_corpus
+from dsjax.data.multimodal.vl_corpus import build_vl_corpus
 
 SOURCES = ("text", "image", "video")
 _STAMP = "vl_sources.json"

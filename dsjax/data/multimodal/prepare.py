@@ -1,10 +1,10 @@
-"""JSONL image/video/text records -> multimodal train/eval splits (`mm_shards`).
+"""JSONL image/video/text records -> multimodal train/eval splits (`shards`).
 
   python -m dsjax.data.prepare --format multimodal --input data.jsonl --image_size 384 --out mm/
 
 With `--max_tiles N` (DeepSeek-VL2's dynamic tiling, `vision.tiling`) every image is stored as its
 global view plus the tiles of its best grid of at most N tiles, and each video frame as a padded
-global view (`media.load_image_views`); the split records N and each image's grid (`mm_shards`).
+global view (`media.load_image_views`); the split records N and each image's grid (`shards`).
 
 Records: {"text"}; {"text", "images": [paths]} with one "<image>" per image in the text
 (interleaved, or none and a single image, which then goes before the text); {"text", "video":
@@ -27,9 +27,9 @@ import numpy as np
 from dsjax.config.sections import DataConfig
 from dsjax.errors import DataError
 from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
-from dsjax.data.media import MediaError, load_image, load_image_views, load_video
-from dsjax.data.mm_shards import MultimodalWriter, special_ids
-from dsjax.data.tiling import FRAME_GRID
+from dsjax.data.multimodal.media import MediaError, load_image, load_image_views, load_video
+from dsjax.data.multimodal.shards import MultimodalWriter, special_ids
+from dsjax.data.multimodal.tiling import FRAME_GRID
 from dsjax.data.tokenizers import load_tokenizer
 
 IMAGE = "<image>"

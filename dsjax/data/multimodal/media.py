@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from dsjax.errors import DataError
-from dsjax.data.tiling import best_grid
+from dsjax.data.multimodal.tiling import best_grid
 
 # A frame whose time is within this of a sample time counts as shown at it: presentation times are
 # exact fractions, the sample grid k / fps is a float.

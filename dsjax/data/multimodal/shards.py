@@ -1,7 +1,7 @@
 """The on-disk multimodal split: token documents with image placeholders, and the images.
 
 A split directory holds documents whose images are ONE placeholder token each; the vision tower's
-tokens per image are chosen at read time (`mm_pack`), so one prepared corpus serves every vision
+tokens per image are chosen at read time (`pack`), so one prepared corpus serves every vision
 tower and sequence length:
 
   meta.json           {"format": "dsjax-multimodal-v1", "tokenizer", "vocab_size" (text vocabulary
@@ -41,7 +41,7 @@ import numpy as np
 
 from dsjax.errors import DataError
 from dsjax.data.shards import META, _save_npy, read_split_meta, token_dtype, write_meta
-from dsjax.data.mm_layout import views_per_image
+from dsjax.data.multimodal.layout import views_per_image
 
 FORMAT = "dsjax-multimodal-v1"
 MODALITIES = ("text", "image", "video")
