@@ -147,8 +147,11 @@ def outcomes(tmp_path_factory):
         name, overrides, extra, _ = case
         workdir = str(root / name)
         shutil.copytree(os.path.join(seeded, "checkpoints"), os.path.join(workdir, "checkpoints"))
+        shutil.copy(os.path.join(seeded, "config.json"), workdir)
         saved = os.path.join(workdir, "checkpoints", "2")  # the seeded run's checkpoint
         before = _tree_digest(saved)
+        with open(os.path.join(workdir, "config.json"), "rb") as f:
+            config_before = f.read()
         flags = {**TINY_FLAGS, **BASE, "train.steps": 2, "checkpoint.every": 0,
                  "data.path": corpus, **overrides}
         for key, value in flags.items():
@@ -174,7 +177,9 @@ def outcomes(tmp_path_factory):
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=900)
         after = _tree_digest(saved) if os.path.isdir(saved) else None
-        return name, (proc, before == after, sorted(os.listdir(workdir)))
+        with open(os.path.join(workdir, "config.json"), "rb") as f:
+            config_kept = f.read() == config_before
+        return name, (proc, before == after, config_kept, sorted(os.listdir(workdir)))
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         results = dict(pool.map(run, CASES))
@@ -185,7 +190,7 @@ def outcomes(tmp_path_factory):
 def test_bad_input_is_one_clear_line_and_saved_work_is_intact(outcomes, case):
     results, prepared = outcomes
     name, _, _, expected = case
-    proc, checkpoint_intact, entries = results[name]
+    proc, checkpoint_intact, config_kept, entries = results[name]
     expected = expected.replace("SHARD", prepared.get(
         {"empty_data_file": "empty_shard", "token_ids_beyond_vocab": "beyond_vocab_shard"}.get(
             name, ""), "SHARD"))
@@ -195,8 +200,11 @@ def test_bad_input_is_one_clear_line_and_saved_work_is_intact(outcomes, case):
     assert len(errors) == 1, proc.stderr[-3000:]
     assert expected in errors[0], errors[0]
     assert checkpoint_intact
+    # The run's config.json is rewritten only once a checkpoint is accepted: the one case that
+    # fails later (a save on a full disk) has started training.
+    assert config_kept == (name != "disk_full_during_save"), name
     started = "dsjax: config " in proc.stdout
     assert started == (name in REACH_RUN), (name, proc.stdout[-2000:])
-    if not started:  # nothing of the run: no config.json, data cache, metrics or checkpoint
-        assert set(entries) <= {"checkpoints", "logs"}, entries
+    if not started:  # nothing of the run: no data cache, metrics or new checkpoint
+        assert set(entries) <= {"checkpoints", "logs", "config.json"}, entries
 

@@ -152,11 +152,6 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
            f"devices {jax.device_count()} x {jax.devices()[0].device_kind}")
     for line in config_warnings(cfg):
         mx.log(f"warning: {line}")
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            # Beside the sections: the XLA flags in effect (launch.py applied mesh.xla_profile).
-            json.dump({**cfg.to_dict(), "xla_flags": xla_flags.record(cfg.mesh.xla_profile)},
-                      f, indent=2, sort_keys=True)
 
     splits = data_splits(cfg, workdir)
     # The stream is read by a global sample cursor, the batch shape chosen per step.
@@ -168,9 +163,6 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
                                      cfg.checkpoint.async_save, log=mx.log,
                                      train_layout=resume_lib.train_layout(cfg))
-    if trainer.model.vision is not None and jax.process_index() == 0:
-        # What dsjax.convert exports a vision model's checkpoint with (the meta holds the LM's).
-        trainer.model.vision.save(checkpointer.directory)
     # Before anything is allocated: the first step's program (compiled once, used by the run)
     # must fit in device memory.
     first = checkpointer.usable_step(allow_fallback) or 0
@@ -192,6 +184,15 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         mx.log(f"initialised weights from {cfg.checkpoint.init_from}")
     start = start or 0
     batcher.step = start
+    # Only now, with the checkpoint accepted: a refused resume leaves the run's files as they were.
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            # Beside the sections: the XLA flags in effect (launch.py applied mesh.xla_profile).
+            json.dump({**cfg.to_dict(), "xla_flags": xla_flags.record(cfg.mesh.xla_profile)},
+                      f, indent=2, sort_keys=True)
+    if trainer.model.vision is not None and jax.process_index() == 0:
+        # What dsjax.convert exports a vision model's checkpoint with (the meta holds the LM's).
+        trainer.model.vision.save(checkpointer.directory)
 
     writer = mx.MetricsWriter(workdir, cfg.train.steps, cfg.metrics.tensorboard)
     observer = Observer(trainer, workdir)
