@@ -42,7 +42,7 @@ class TrainState:
 
 
 def finite_by_group(grads: Any) -> dict[str, jax.Array]:
-    """{"layers/mlp/up/kernel": all finite?} per gradient leaf: what a non-finite report names."""
+    """{"layers/mlp/up": all finite?} per gradient leaf: what a non-finite report names."""
     def name(path):
         return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
     return {name(path): jnp.all(jnp.isfinite(g))
