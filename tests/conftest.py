@@ -65,13 +65,25 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 # A model small enough that a compile + a few steps take seconds on 2 cores.
-TINY_FLAGS = {
-    "model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
-    "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
+TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
+              "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512}
+
+
+def tiny(*changes: dict) -> dict:
+    """TINY_MODEL's config overrides with each of `changes` on top, in order: what a test file's
+    own tiny shape differs in, written once."""
+    out = dict(TINY_MODEL)
+    for change in changes:
+        out.update(change)
+    return out
+
+
+# What launched runs of the tiny model train: a few steps, logged, checkpointed, sampled.
+TINY_FLAGS = tiny({
     "data.seq_len": 32, "data.global_batch": 8, "data.eval_batches": 2,
     "train.steps": 4, "train.log_every": 1, "train.sample_tokens": 4,
     "optim.warmup_steps": 1, "checkpoint.every": 2,
-}
+})
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, random_batch, run_launch
+from conftest import ROOT, random_batch, run_launch, tiny
 from dsjax import config as config_lib
 from dsjax import remat, train
 from dsjax.config import ConfigError
@@ -112,10 +112,10 @@ def test_cudnn_arguments_give_the_xla_reference(packed):
         assert float(jnp.max(jnp.abs(whole - got_out))) > 1e-3
 
 
-TINY = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4,
-        "model.num_kv_heads": 2, "model.mlp_dim": 64, "model.vocab_size": 128,
-        "data.seq_len": 24, "train.steps": 4, "optim.warmup_steps": 1,
-        "model.attention_block_q": 16, "model.attention_block_k": 8}
+TINY = tiny({"model.num_layers": 4, "model.hidden_size": 32, "model.mlp_dim": 64,
+             "model.vocab_size": 128, "data.seq_len": 24, "train.steps": 4,
+             "optim.warmup_steps": 1, "model.attention_block_q": 16,
+             "model.attention_block_k": 8})
 
 
 def _cfg(**overrides):

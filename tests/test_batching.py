@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import FLAT_MESH, ROOT, TINY_FLAGS, random_batch, read_records, run_launch
+from conftest import (FLAT_MESH, ROOT, TINY_FLAGS, random_batch, read_records, run_launch,
+                      tiny)
 from dsjax import batching, fp8
 from dsjax import config as config_lib
 from dsjax.config import BatchConfig, ConfigError
@@ -24,10 +25,8 @@ from dsjax.data.shards import PackedSource
 from dsjax.optim import make_optimizer
 from dsjax.train import build_trainer
 
-TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
-        "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
-        "data.seq_len": 16, "data.global_batch": 16, "optim.warmup_steps": 1, "train.steps": 4,
-        **FLAT_MESH}
+TINY = tiny({"data.seq_len": 16, "data.global_batch": 16, "optim.warmup_steps": 1,
+             "train.steps": 4}, FLAT_MESH)
 
 
 def _cfg(**overrides):

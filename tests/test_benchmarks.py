@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, tiny
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import compare  # noqa: E402  pylint: disable=wrong-import-position
@@ -25,8 +25,8 @@ import report  # noqa: E402  pylint: disable=wrong-import-position
 
 LOAD_KEYS = {"load_before", "load_after", "cores", "contended"}  # benchmarks/report.py
 # The model of the tiny runs (cpu_tiny's architecture, 2 x 64), in each script's override syntax.
-TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
-        "model.num_kv_heads": 2, "model.mlp_dim": 128, "data.seq_len": 32}
+TINY = tiny({"data.seq_len": 32})
+del TINY["model.vocab_size"]  # the benchmarked configs keep their own vocabulary
 TINY_PIPE = "|".join(f"{k}={v}" for k, v in {**TINY, "data.global_batch": 8}.items())
 TINY_SET = [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
 TINY_7B = [a for k, v in {"model.num_layers": 4, "model.hidden_size": 128, "model.num_heads": 4,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, random_batch, read_records, run_launch
+from conftest import ROOT, random_batch, read_records, run_launch, tiny
 from dsjax import config as config_lib
 from dsjax import fp8, pipeline, sharding, train
 from dsjax.metrics import gemms
@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import pipeline_table  # noqa: E402  pylint: disable=wrong-import-position
 
 # 4 layers (8 where 4 stages x 2 repeats need them), tiny widths: compile time dominates.
-TINY = {"model.num_layers": 4, "model.hidden_size": 32, "model.num_heads": 4,
-        "model.num_kv_heads": 2, "model.mlp_dim": 64, "model.vocab_size": 128,
-        "data.seq_len": 16, "train.steps": 4, "optim.warmup_steps": 1}
+TINY = tiny({"model.num_layers": 4, "model.hidden_size": 32, "model.mlp_dim": 64,
+             "model.vocab_size": 128, "data.seq_len": 16, "train.steps": 4,
+             "optim.warmup_steps": 1})
 
 
 def _cfg(**overrides):

@@ -8,17 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, random_batch
+from conftest import ROOT, random_batch, tiny
 from dsjax import config as config_lib
 from dsjax import remat, remat_plan, sharding
 from dsjax.config import ConfigError
 from dsjax.model import Transformer
 from dsjax.model.loss import ModelLoss, loss_fn
 
-TINY = {"model.num_layers": 4, "model.hidden_size": 64, "model.num_heads": 4,
-        "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 256,
-        "data.seq_len": 128, "data.global_batch": 4, "mesh.data": 1, "mesh.tensor": 1,
-        "mesh.pipeline": 1}
+TINY = tiny({"model.num_layers": 4, "model.vocab_size": 256, "data.seq_len": 128,
+             "data.global_batch": 4, "mesh.data": 1, "mesh.tensor": 1, "mesh.pipeline": 1})
 POLICIES = ["full", "dots", "dots_no_batch", "attention_core", "names:mlp_hidden,attn_out",
             "offload:mlp_hidden"]
 

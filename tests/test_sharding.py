@@ -10,15 +10,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import FLAT_MESH, ROOT, random_batch
+from conftest import FLAT_MESH, ROOT, random_batch, tiny
 from dsjax import config as config_lib
 from dsjax import sharding
 from dsjax.train import build_trainer
 
-TINY = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
-        "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
-        "data.seq_len": 32, "data.global_batch": 8, "train.steps": 3,
-        "optim.warmup_steps": 1, "optim.lr": 1e-2, **FLAT_MESH}
+TINY = tiny({"data.seq_len": 32, "data.global_batch": 8, "train.steps": 3,
+             "optim.warmup_steps": 1, "optim.lr": 1e-2}, FLAT_MESH)
 
 
 def _losses(overrides, devices, batches):
