@@ -3,6 +3,7 @@ invariants 1 and 5), 1F1B's flat memory, training with remat + fp8, config error
 checkpoint written with pp=2 evaluated with pp=1."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from dsjax import fp8, pipeline, sharding, train
 from dsjax.metrics import gemms
 from dsjax.config import ConfigError
 from dsjax.model.loss import ModelLoss, loss_fn
+from unpipelined import assert_grads_match, loss_and_grads, objective_and_aux, pipelined_and_plain
 from dsjax.pipeline import stages as stages_lib
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -44,8 +46,7 @@ def _pipelined(mesh, schedule, microbatches, repeats=1, batch=8, **overrides):
 
 
 def _loss_and_grads(apply_fn, params, batch):
-    return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, apply_fn, b)[0]))(params,
-                                                                                      batch)
+    return jax.jit(functools.partial(loss_and_grads, apply_fn))(params, batch)
 
 
 @pytest.mark.parametrize("schedule, mesh, microbatches, repeats, layers, typed, mtp", [
@@ -90,19 +91,12 @@ def test_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, re
         assert "pipeline" not in jax.tree.leaves(
             trainer.state_shardings.params["mtp_layers"]["attn"]["q"].spec)
         assert state.params["mtp_layers"]["attn"]["q"].shape[0] == mtp
-    with sharding.activate(trainer.mesh, trainer.rules):
-        loss, grads = _loss_and_grads(apply_fn, state.params, trainer.device_batch(host_batch))
     # Reference: the same weights, the plain decoder, one device, no mesh.
-    params = jax.device_get(state.params)
-    ref_loss, ref_grads = _loss_and_grads(ModelLoss(state.objective.model), params, host_batch)
+    (loss, grads), (ref_loss, ref_grads) = pipelined_and_plain(trainer, state, host_batch,
+                                                               objective=apply_fn)
     # float32: only the summation order differs (per microbatch, then across them).
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0],
-                            jax.tree.leaves(ref_grads)):
-        # Relative Frobenius norm per tensor (measured <= 5e-7); a wrong stage order, a lost
-        # microbatch or a double-counted replicated gradient moves it by O(1).
-        rel = np.linalg.norm(g - r) / np.linalg.norm(r)
-        assert rel < 1e-5, (jax.tree_util.keystr(path), rel)
+    assert_grads_match(grads, ref_grads)  # measured <= 5e-7
 
 
 def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_is_not():
@@ -341,14 +335,9 @@ def test_fsdp_inside_the_pipeline_matches_the_unpipelined_model(schedule, repeat
     assert any("data" in jax.tree.leaves(tuple(s.spec))  # Adam's moments too
                for s in jax.tree.leaves(trainer.state_shardings.opt_state))
     host_batch = random_batch(np.random.default_rng(5), 8, 16, vocab=128)
-    params = jax.device_get(state.params)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        loss, grads = _loss_and_grads(state.objective, state.params,
-                                      trainer.device_batch(host_batch))
-    ref_loss, ref_grads = _loss_and_grads(ModelLoss(state.objective.model), params, host_batch)
+    (loss, grads), (ref_loss, ref_grads) = pipelined_and_plain(trainer, state, host_batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-5  # measured 4.4e-7
+    assert_grads_match(grads, ref_grads)  # measured 4.4e-7
     shape = batching.Shape(8, 1, 2)
     with sharding.activate(trainer.mesh, trainer.rules):
         hlo = trainer.programs.jitted(0, shape).lower(trainer.abstract_state(), batching.abstract_batch(
@@ -738,13 +727,6 @@ def _moe_pipelined(mesh, schedule, microbatches, **overrides):
         "pipeline.schedule": schedule, "pipeline.microbatches": microbatches, **overrides})
 
 
-def _objective_and_aux(apply_fn, params, batch):
-    def objective(p, b):
-        loss, _, aux = apply_fn.loss_and_aux(p, b)
-        return loss + aux["aux_loss"], (loss, aux)
-    return jax.jit(jax.value_and_grad(objective, has_aux=True))(params, batch)
-
-
 @pytest.mark.parametrize(
     "schedule, mesh, microbatches, repeats, expert_parallel, dense, mtp", [
         ("gpipe", (2, 2, 2), 2, 1, True, 0, 0),
@@ -780,12 +762,8 @@ def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches
         assert state.params["layers"]["mlp"]["up"].shape[0] == dense
         assert "pipeline" not in jax.tree.leaves(specs["layers"]["mlp"]["up"].spec)
     host_batch = random_batch(np.random.default_rng(4), 8, 16, vocab=128)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        (_, (loss, aux)), grads = _objective_and_aux(state.objective, state.params,
-                                                     trainer.device_batch(host_batch))
-    params = jax.device_get(state.params)
-    (_, (ref_loss, ref_aux)), ref_grads = _objective_and_aux(ModelLoss(state.objective.model), params,
-                                                             host_batch)
+    ((_, (loss, aux)), grads), ((_, (ref_loss, ref_aux)), ref_grads) = pipelined_and_plain(
+        trainer, state, host_batch, objective_and_aux)
     assert sorted(aux) == sorted(ref_aux) == ["aux_loss", "moe_load"] + ["mtp_loss"] * bool(mtp)
     # float32: only the summation order differs (per microbatch, then across them).
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

@@ -3,7 +3,6 @@ the model, equals VL2's own assembly (rearrange, newline columns, separator, mas
 decoder and a pipeline's stage 0 both place it; the learned rows train."""
 
 import dataclasses
-import functools
 import json
 import os
 
@@ -15,13 +14,14 @@ import pytest
 from conftest import FLAT_MESH, TINY_FLAGS, random_batch, read_records, run_launch
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
-from dsjax import convert, pipeline, sharding
+from dsjax import convert, pipeline
 from dsjax.data.multimodal.tiling import feature_rows, image_tokens, num_views
 from dsjax.model import Transformer
 from dsjax.model.batch import media_layout
 from dsjax.model.loss import ModelLoss, loss_fn
-from dsjax.model.vision import VisionSpec, insert_tiled_features
+from dsjax.model.vision import insert_tiled_features
 from dsjax.train import build_trainer
+from unpipelined import assert_grads_match, pipelined_and_plain
 
 IMAGE_TOKEN = 257
 
@@ -162,23 +162,14 @@ def test_tiles_on_stage_0_match_one_device(schedule):
     state = trainer.init()
     assert isinstance(state.objective, pipeline.Pipelined)
     host = _tiled_batch(np.random.default_rng(3), 8)
-    grad = lambda objective, params, batch: jax.value_and_grad(
-        lambda p: loss_fn(p, objective, batch)[0])(params)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        loss, grads = jax.jit(functools.partial(grad, state.objective))(
-            state.params, trainer.device_batch(host))
-    params = jax.device_get(state.params)
-    ref_loss, ref_grads = jax.jit(functools.partial(grad, ModelLoss(state.objective.model)))(
-        params, host)
+    (loss, grads), (ref_loss, ref_grads) = pipelined_and_plain(trainer, state, host)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    got = jax.device_get(grads)["projector"]
+    got = grads["projector"]
     for name in ("image_newline", "view_separator"):
         r = np.asarray(ref_grads["projector"][name])
         assert np.linalg.norm(r) > 0
         assert np.linalg.norm(got[name] - r) / np.linalg.norm(r) < 1e-5, name
-    scale = np.sqrt(sum(np.sum(np.square(r)) for r in jax.tree.leaves(ref_grads)))
-    for g, r in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
-        assert np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-3 * scale) < 1e-5
+    assert_grads_match(grads, ref_grads, floor=1e-3)
 
 
 def test_cpu_vl_tiled_trains_evaluates_and_refuses_export(tmp_path, capsys):

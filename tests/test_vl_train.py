@@ -2,7 +2,6 @@
 prepare tool, mixed with text by weight, a SigLIP tower in front of the decoder, loss per source,
 and frozen parameter groups that stay bit for bit."""
 
-import functools
 import json
 import os
 
@@ -16,13 +15,13 @@ from conftest import FLAT_MESH, TINY_FLAGS, random_batch, read_records, run_laun
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import convert
-from dsjax import pipeline, sharding
+from dsjax import pipeline
 from dsjax.data import mixed_stream
 from dsjax.data.multimodal.prepare import prepare_multimodal
 from dsjax.data.prepare import prepare_text
 from dsjax.data.multimodal.vl_corpus import build_vl_corpus
-from dsjax.model.loss import ModelLoss, loss_fn
 from dsjax.train import build_trainer
+from unpipelined import assert_grads_match, pipelined_and_plain
 
 VISION = {"vision.tower": "siglip", "vision.image_size": 16, "vision.patch_size": 8,
           "vision.hidden_size": 32, "vision.num_layers": 1, "vision.num_heads": 2,
@@ -140,24 +139,12 @@ def test_the_tower_runs_on_stage_0_and_the_pipeline_matches_one_device(schedule,
     state = trainer.init()
     assert isinstance(state.objective, pipeline.Pipelined)
     host = _vl_batch(np.random.default_rng(3), 8, 32, 4, 2, 16)
-    grad = lambda objective, params, batch: jax.value_and_grad(
-        lambda p: loss_fn(p, objective, batch)[0])(params)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        loss, grads = jax.jit(functools.partial(grad, state.objective))(
-            state.params, trainer.device_batch(host))
-    params = jax.device_get(state.params)
-    ref_loss, ref_grads = jax.jit(functools.partial(grad, ModelLoss(state.objective.model)))(
-        params, host)
+    (loss, grads), (ref_loss, ref_grads) = pipelined_and_plain(trainer, state, host)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]
-    scale = np.sqrt(sum(np.sum(np.square(r)) for r in jax.tree.leaves(ref_grads)))
-    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
-        # Relative Frobenius norm per tensor, as for the text model's schedules
-        # (tests/test_pipeline.py); a tower left out of stage 0's backward gives 1. The key
-        # bias's true gradient is 0 (softmax ignores a score shift shared by all keys): its
-        # rounding noise is measured against 1e-3 of the whole gradient instead.
-        rel = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-3 * scale)
-        assert rel < 1e-5, (jax.tree_util.keystr(path), rel)
+    # As for the text model's schedules; a tower left out of stage 0's backward gives 1. The key
+    # bias's true gradient is 0 (softmax ignores a score shift shared by all keys): its rounding
+    # noise is measured against 1e-3 of the whole gradient instead.
+    assert_grads_match(grads, ref_grads, floor=1e-3)
     assert np.linalg.norm(jax.tree.leaves(ref_grads["vision_tower"])[0]) > 0
 
 
