@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, launch_flags
+from conftest import ROOT, child_env, launch_flags
 from dsjax import checkpoint as ckpt
 
 
@@ -18,7 +18,7 @@ def start(workdir, flags, config="configs/cpu_tiny.py", extra=(), stderr=subproc
     cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
            f"--workdir={workdir}"]
     cmd += [f"--config.{k}={v}" for k, v in flags.items()] + list(extra)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr,
                             text=True)
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, run_launch
+from conftest import ROOT, TINY_FLAGS, child_env, run_launch
 from dsjax.data import ShardWriter, prepare_text
 
 BASE = {"metrics.profile_every": 0, "train.sample_tokens": 0, "metrics.tensorboard": False,
@@ -157,11 +157,11 @@ def outcomes(tmp_path_factory):
         for key, value in flags.items():
             if isinstance(value, str) and value.startswith("PREPARED:"):
                 flags[key] = prepared[value.split(":")[1]]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = child_env()
         args, wrapper = [], []
         for item in extra:
             if item == "XLA8":
-                env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+                env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
             elif item == "WORKDIR_UNDER_FILE":
                 pass
             elif item == "FSIZE":  # files may not grow past 64 KiB: a full disk, for writes

@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny
+from conftest import ROOT, child_env, tiny
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import compare  # noqa: E402  pylint: disable=wrong-import-position
@@ -190,7 +190,7 @@ def run_smoke(name: str, out) -> tuple[str, dict]:
     script, args, written, keys, row_keys = SMOKE[name]
     cmd = [sys.executable, os.path.join("benchmarks", f"{script}.py"),
            *[a.replace("{out}", str(out)) for a in args]]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each script sets its own
+    env = child_env()  # each script sets its own device count
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     with open(os.path.join(out, written), encoding="utf-8") as f:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, read_records, run_launch
+from conftest import ROOT, TINY_FLAGS, child_env, read_records, run_launch
 from dsjax import config as config_lib
 from dsjax import sharding
 from dsjax.runtime import distributed, xla_flags
@@ -73,7 +73,7 @@ def _launch_processes(workdir, flags, num_processes, logdir, timeout_s=240, whil
     import portpicker
 
     port = portpicker.pick_unused_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs, logs = [], []
     try:
         for i in range(num_processes):
