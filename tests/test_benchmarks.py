@@ -63,9 +63,10 @@ SMOKE = {
                       "peers.json", {"maxtext_tokens_per_sec", "ratio_maxtext", "startup_s",
                                      "final_loss", "loss_history", *LOAD_KEYS}, None),
     # 4 layers: circular's chunks per stage default to 2, the smallest that splits them.
+    # 2 microbatches, not cpu_tiny's 4: the FLOPs columns compile every tick unrolled
     "pipeline_table": ("pipeline_table", ["--config", "configs/cpu_tiny.py", *TINY_SET,
-                                          "--set", "model.num_layers=4", "--out",
-                                          "{out}/pipeline.json"],
+                                          "--set", "model.num_layers=4", "--microbatches", "2",
+                                          "--out", "{out}/pipeline.json"],
                        "pipeline.json", {"config", "rows"},
                        {"schedule", "microbatches", "repeats", "temp_bytes",
                         "collective_permutes", "bubble"}),

@@ -142,7 +142,9 @@ def gpu_image_env() -> tuple[str, str]:
 def _dry_run(out, python: str, wheels: str):
     env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")},
            "GPU_MFU_PRESET": "smoke", "OUT": str(out), "PYTHON": python, "GPU_WHEELS": wheels,
-           "GPU_MFU_CACHE": str(out.parent / "jax_cache")}
+           # One compilation cache for the session's dry runs: the second reads what the first
+           # compiled (the script's own cache, as on the GPU, where the 6-layer rows reuse it).
+           "GPU_MFU_CACHE": os.path.join(os.environ["DSJAX_TEST_DATA_DIR"], "gpu_mfu_cache")}
     proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     with open(out / "gpu_mfu.json", encoding="utf-8") as f:
