@@ -39,7 +39,8 @@ def get_config(arg=None):
         tensor=2,            # tensor-parallel size (heads, MLP, vocab; the tower's heads, MLP)
     ))
     c.data.update(dict(
-        source="vl_corpus",  # stdlib text + cpu_vl's images and clips (data/multimodal/vl_sources.py)
+        # stdlib text + cpu_vl's images and clips (dsjax/data/multimodal/vl_sources.py)
+        source="vl_corpus",
         mix="text:0.2,image:0.6,video:0.2",  # share of training rows per source (image-heavy:
                                              # the digits' names are the hardest to ground)
         seq_len=128,         # tokens per row

@@ -20,8 +20,9 @@ COMMON = {"metrics.profile_every": 0, "train.eval_every": 0, "train.sample_token
 CASES = {
     # cpu_tiny's own mesh and schedule (TINY_FLAGS' 2 layers: one per stage), AdamW.
     "pipelined": ("configs/cpu_tiny.py", {**COMMON, "train.steps": 10, "checkpoint.every": 2}),
-    # The smoke model at test_onebit_train's size: exact Adam for 2 steps, then compressed, every 3rd
-    # step after the freeze exact (steps 5 and 8 refresh v); the batch grows 8 -> 16 from step 5.
+    # The smoke model at test_onebit_train's size: exact Adam for 2 steps, then compressed, every
+    # 3rd step after the freeze exact (steps 5 and 8 refresh v); the batch grows 8 -> 16 from
+    # step 5.
     "smoke": ("configs/h100_fp8.py:smoke", {
         **COMMON, "model.hidden_size": 128, "model.num_kv_heads": 4, "model.mlp_dim": 256,
         "data.seq_len": 64, "train.steps": 8, "optim.freeze_step": 2, "optim.refresh_every": 3,

@@ -12,8 +12,8 @@ Batch keys, each [batch, seq_len]: inputs, targets (int32), segment_ids, positio
 attention mask and RoPE use them), weights (float32; 0 where the target starts a new document).
 Multimodal rows (`multimodal.pack`) add pixels [batch, max_images, size, size, 3] uint8 and
 image_mask [batch, max_images] bool (with tiling also feature_index [batch, seq_len] int32,
-aligned with the inputs), and their weights are also 0 where the target is an image placeholder, a frame separator
-or padding. Mixed streams (`mixture`) build on `SampleStream.over`.
+aligned with the inputs), and their weights are also 0 where the target is an image
+placeholder, a frame separator or padding. Mixed streams (`mixture`) build on `SampleStream.over`.
 """
 
 from __future__ import annotations
