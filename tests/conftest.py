@@ -24,9 +24,9 @@ if "DSJAX_TEST_DATA_DIR" not in os.environ:
 
 # LLVM's cheapest code generation: most of a test's time is XLA:CPU compiling small programs
 # that then run a few times. The HLO (what tests read: fusions, collectives, buffer sizes) and
-# IEEE float semantics are the same at every backend level; float results may differ from an
-# optimised build by reassociation-free contractions at most, which every tolerance here covers
-# as it covers another CPU. Measured on 2 cores: test_pipeline's schedule tests 178 s -> 141 s.
+# IEEE float semantics are the same at every backend level; results may differ from an optimised
+# build in last-bit rounding (e.g. fused multiply-adds), which every tolerance here covers as it
+# covers another CPU. Measured on 2 cores: test_pipeline's schedule tests 178 s -> 141 s.
 # Processes the tests start get it too (child_env); launch.py adds its own device count.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS,
