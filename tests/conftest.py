@@ -164,11 +164,10 @@ def launch_flags(config, overrides):
     return flags
 
 
-def child_env(**more: str) -> dict:
+def child_env() -> dict:
     """The environment for a process a test starts: this one's, with XLA_FLAGS holding only the
     compile-speed flags (no device count: launch.py and the benchmarks set their own)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "XLA_FLAGS": TEST_XLA_FLAGS, **more}
+    return {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
 
 
 def run_launch(workdir, overrides=None, mode="train", config="configs/cpu_tiny.py", timeout=600,

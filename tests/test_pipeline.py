@@ -22,8 +22,8 @@ from dsjax import fp8, pipeline, sharding, train
 from dsjax.metrics import gemms
 from dsjax.config import ConfigError
 from dsjax.model.loss import ModelLoss, loss_fn
-from unpipelined import assert_grads_match, loss_and_grads, objective_and_aux, pipelined_and_plain
 from dsjax.pipeline import stages as stages_lib
+from unpipelined import assert_grads_match, loss_and_grads, objective_and_aux, pipelined_and_plain
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import pipeline_table  # noqa: E402  pylint: disable=wrong-import-position

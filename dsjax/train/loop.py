@@ -190,9 +190,9 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
             # Beside the sections: the XLA flags in effect (launch.py applied mesh.xla_profile).
             json.dump({**cfg.to_dict(), "xla_flags": xla_flags.record(cfg.mesh.xla_profile)},
                       f, indent=2, sort_keys=True)
-    if trainer.model.vision is not None and jax.process_index() == 0:
-        # What dsjax.convert exports a vision model's checkpoint with (the meta holds the LM's).
-        trainer.model.vision.save(checkpointer.directory)
+        if trainer.model.vision is not None:
+            # What dsjax.convert exports a vision model with (the meta holds the LM's).
+            trainer.model.vision.save(checkpointer.directory)
 
     writer = mx.MetricsWriter(workdir, cfg.train.steps, cfg.metrics.tensorboard)
     observer = Observer(trainer, workdir)
