@@ -22,13 +22,21 @@ if "DSJAX_TEST_DATA_DIR" not in os.environ:
     os.environ["DSJAX_TEST_DATA_DIR"] = tempfile.mkdtemp(prefix="dsjax-test-data-")
     atexit.register(shutil.rmtree, os.environ["DSJAX_TEST_DATA_DIR"], True)
 
-# LLVM's cheapest code generation: most of a test's time is XLA:CPU compiling small programs
-# that then run a few times. The HLO (what tests read: fusions, collectives, buffer sizes) and
-# IEEE float semantics are the same at every backend level; results may differ from an optimised
-# build in last-bit rounding (e.g. fused multiply-adds), which every tolerance here covers as it
-# covers another CPU. Measured on 2 cores: test_pipeline's schedule tests 178 s -> 141 s.
+# The cheapest XLA:CPU code generation: most of a test's time is compiling small programs that
+# then run a few times. LLVM at its lowest level, and XLA's older elemental emitters for fusions
+# in place of the MLIR fusion emitters. The HLO the tests read (collectives, buffer sizes, dtypes)
+# and IEEE float semantics stay; the order of a sum inside a fused kernel may not, so results may
+# differ from the default build in the last bit, which every tolerance here covers as it covers
+# another CPU. Two programs that compute the same thing in different fusions agree bit for bit
+# under the default emitters but not always under these: the tests that compare such programs
+# bit for bit run them with XLA's defaults (`in_default_xla`). Measured on 2 cores: the
+# optimisation level took test_pipeline's schedule tests from 178 s to 141 s; the emitters took
+# a cpu_moe fp8 1-bit Adam step's compile from 21.4 s to 15.8 s.
 # Processes the tests start get it too (child_env); launch.py adds its own device count.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                  "--xla_cpu_use_fusion_emitters=false")
+if os.environ.get("DSJAX_TEST_XLA_DEFAULTS") == "1":  # a process `in_default_xla` started
+    TEST_XLA_FLAGS = ""
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS,
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,6 +58,15 @@ def _from_the_repository_root():
     os.chdir(ROOT)
     yield
     os.chdir(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `slow` the tests tests/slow.txt lists: measured, see tests/slow.py."""
+    import slow
+    listed = slow.read()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
 
 
 def random_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int = 257,
@@ -168,6 +185,48 @@ def child_env() -> dict:
     """The environment for a process a test starts: this one's, with XLA_FLAGS holding only the
     compile-speed flags (no device count: launch.py and the benchmarks set their own)."""
     return {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
+
+
+def shared_run(name, overrides=None, config="configs/cpu_tiny.py", timeout=900):
+    """A finished `launch.py` run that several tests (in one file or several, on either xdist
+    worker) compare against, made once per test session: (its workdir, its stdout). The first
+    test to ask runs it while a file lock makes the others wait; later ones read it. Tests only
+    read it: one that changes a run copies it first. A run that fails is not kept: each test
+    that asks reports the failure. One name is one run: asking for it with other flags fails."""
+    import fcntl
+    import json
+    root = os.path.join(os.environ["DSJAX_TEST_DATA_DIR"], "runs")
+    os.makedirs(root, exist_ok=True)
+    workdir, done = os.path.join(root, name), os.path.join(root, name + ".json")
+    made_by = {"config": config, "flags": launch_flags(config, overrides)}
+    with open(os.path.join(root, name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(done):
+            shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt's leftovers
+            proc = run_launch(workdir, overrides, config=config, timeout=timeout)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            with open(done + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({**made_by, "stdout": proc.stdout}, f)
+            os.replace(done + ".tmp", done)  # written last: the run is complete
+    with open(done, encoding="utf-8") as f:
+        record = json.load(f)
+    assert {k: record[k] for k in made_by} == json.loads(json.dumps(made_by)), (
+        f"shared run {name!r} was made with other flags")
+    return workdir, record["stdout"]
+
+
+def in_default_xla(module, function, *args, timeout=600):
+    """Calls tests/MODULE.py's `function(*args)` in a process of its own that compiles with
+    XLA's default code generation instead of TEST_XLA_FLAGS: for a test that compares two
+    differently fused programs bit for bit, which the default emitters hold to and the suite's
+    cheaper ones do not. An exception there fails the calling test with its traceback."""
+    import subprocess
+    import sys
+    env = {**os.environ, "DSJAX_TEST_XLA_DEFAULTS": "1", "XLA_FLAGS": ""}
+    code = f"import {module}; {module}.{function}(*{args!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "tests"), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def run_launch(workdir, overrides=None, mode="train", config="configs/cpu_tiny.py", timeout=600,

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from conftest import (FLAT_MESH, ROOT, TINY_FLAGS, random_batch, read_records, run_launch,
-                      tiny)
+                      shared_run, tiny)
 from dsjax import batching, fp8
 from dsjax import config as config_lib
 from dsjax.config import BatchConfig, ConfigError
@@ -98,7 +98,6 @@ def _one_step(trainer, host, accum):
     return jax.device_get((state.params, state.opt_state, m))
 
 
-@pytest.mark.slow
 def test_accumulated_step_equals_one_big_batch(trainer):
     rng = np.random.default_rng(0)
     host = random_batch(rng, 16, 16)
@@ -122,7 +121,6 @@ def test_accumulated_step_equals_one_big_batch(trainer):
     _assert_same_first_step(trainer, params4, params1)
 
 
-@pytest.mark.slow
 def test_accumulated_step_equals_one_big_batch_under_the_pipeline():
     """cpu_tiny's pipelined mesh (data 2, tensor 2, pipeline 2) and 1f1b schedule: each
     accumulation micro-batch is split again into pipeline.microbatches (4), whose losses the
@@ -171,7 +169,6 @@ def _assert_same_first_step(trainer, params_a, params_b):
     assert moved > 0.5 * lr, moved / lr
 
 
-@pytest.mark.slow
 def test_accumulation_is_a_scan_not_a_bigger_program(trainer):
     # One compiled step per shape; the accumulating one loops over micro-batches (a while loop
     # in HLO) and needs less memory than the single [16, S] batch: the point of accumulating.
@@ -182,7 +179,6 @@ def test_accumulation_is_a_scan_not_a_bigger_program(trainer):
     assert programs.predict(four, phase=0) < programs.predict(one, phase=0)
 
 
-@pytest.mark.slow
 def test_fp8_delayed_scaling_accumulates_to_the_big_batch_step():
     trainer = build_trainer(_cfg(**{"train.compute_dtype": "fp8", "fp8.recipe": "delayed",
                                     "fp8.other_dtype": "float32"}))
@@ -221,7 +217,6 @@ def test_programs_ask_the_optimizer_which_phase_a_step_runs_in():
     assert phases == [int(trainer.tx.uses_compression(s)) for s in range(14)]
 
 
-@pytest.mark.slow
 def test_onebit_adam_accumulates_locally_and_communicates_once():
     from dsjax import metrics as mx
 
@@ -261,7 +256,6 @@ def test_onebit_adam_accumulates_locally_and_communicates_once():
 # Memory prediction
 
 
-@pytest.mark.slow
 def test_predicted_memory_is_monotone_and_the_choice_fits(trainer):
     programs = trainer.programs
     per_replica = 4  # 16 rows / 4 data-parallel replicas
@@ -281,7 +275,6 @@ def test_predicted_memory_is_monotone_and_the_choice_fits(trainer):
         assert micro == max(m for m in predicted if predicted[m] <= budget)
 
 
-@pytest.mark.slow
 def test_batcher_plans_the_largest_micro_batch_under_the_budget(trainer):
     predicted = {m: trainer.programs.predict(batching.Shape(16, 4 // m, 4), phase=0)
                  for m in (1, 2, 4)}
@@ -300,7 +293,6 @@ def test_batcher_plans_the_largest_micro_batch_under_the_budget(trainer):
 # Compilations
 
 
-@pytest.mark.slow
 def test_compilations_equal_distinct_shapes(trainer):
     # A program is compiled by the backend or read from the session's compilation cache
     # (conftest), whichever comes first.
@@ -507,7 +499,7 @@ def test_every_sample_is_consumed_once_in_order_across_batch_changes(split, trai
                                  mesh=trainer.mesh)
     # The stream's definition, independently of SampleStream: rows shuffled per epoch, repeated.
     ds = grain.MapDataset.source(PackedSource(path, seq_len)).shuffle(seed=5).repeat()
-    total, steps, sizes, seen = 0, 0, [], []
+    total, sizes, seen = 0, [], []
     batcher = batching.Batcher(fake, SampleStream(path, seq_len, 5, prefetch=2),
                                log=lambda _: None)
     while total < 3 * len(index):  # three epochs
@@ -570,17 +562,14 @@ ADAPTIVE = {**FLAT_MESH, "data.global_batch": 8, "batch.policy": "adaptive", "ba
             "metrics.peak_flops_per_device": 1e12, "metrics.profile_every": 0}
 
 
-@pytest.fixture(scope="module")
-def adaptive_run(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("adaptive") / "run")
-    proc = run_launch(workdir, ADAPTIVE)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir, proc
+@pytest.fixture
+def adaptive_run():
+    """(workdir, stdout) of the run, made once per session; tests only read it."""
+    return shared_run("adaptive", ADAPTIVE)
 
 
-@pytest.mark.slow
 def test_run_changes_batch_size_with_accumulation_and_records_it(adaptive_run):
-    workdir, proc = adaptive_run
+    workdir, stdout = adaptive_run
     records = read_records(workdir)
     # No memory limit on CPU and no step-time rule: grow after one reading. Step 1's reading is
     # taken after step 2 is dispatched, so step 3 is the first at 16 rows.
@@ -591,7 +580,7 @@ def test_run_changes_batch_size_with_accumulation_and_records_it(adaptive_run):
     change = records[2]["batch_changes"]
     assert [(c["old"], c["new"], c["step"]) for c in change] == [(8, 16, 2)]
     assert change[0]["reason"].startswith("grow x1.5: memory unknown < 90%")
-    assert "batch size 8 -> 16 from step 3" in proc.stdout
+    assert "batch size 8 -> 16 from step 3" in stdout
     # The schedule's lr, x sqrt(16 / 8) from the change on (reference batch: data.global_batch).
     cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"), {**TINY_FLAGS, **ADAPTIVE})
     _, lr_fn = make_optimizer(cfg.optim, cfg.train.steps)
@@ -604,7 +593,6 @@ def test_run_changes_batch_size_with_accumulation_and_records_it(adaptive_run):
     assert summary["compilations"] == 2 and len(summary["batch_changes"]) == 1
 
 
-@pytest.mark.slow
 def test_resume_right_after_a_batch_change_reproduces_the_losses(adaptive_run, tmp_path):
     workdir, _ = adaptive_run
     resumed = str(tmp_path / "resumed")

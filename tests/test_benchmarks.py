@@ -234,7 +234,6 @@ def test_every_documented_command_has_a_smoke_run():
     assert set(DOCUMENTED.values()) == set(SMOKE)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["step_time", "compare_overrides", "pipeline_table",
                                   "pipeline_table_flags", "remat_table",
                                   "remat_table_baseline", "comm_bytes",
@@ -359,7 +358,6 @@ def test_load_record_marks_contention(monkeypatch):
         report.parse_overrides(["optim.name"])
 
 
-@pytest.mark.slow
 def test_compare_smoke_configs(tmp_path):
     out = tmp_path / "compare"
     # The CPU default pair (h100_bf16:smoke vs h100_fp8:smoke); 2 timed steps each, in rounds
@@ -467,7 +465,6 @@ def test_compare_accepts_override_syntax():
     assert compare.warmup_steps(onebit) == onebit.optim.freeze_step + 1
 
 
-@pytest.mark.slow
 def test_peers_tiny(tmp_path):
     printed, result = run_smoke("peers", tmp_path)
     assert "transformers" in printed
@@ -515,7 +512,6 @@ def test_maxtext_step_line_reads_step_seconds_and_loss():
 
 # Opt-in: it installs MaxText from the package registry into its own venv (minutes, and a
 # third-party download inside CI). Its line parser is tested above on every run.
-@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("DSJAX_PEERS_MAXTEXT") != "1",
                     reason="MaxText peer run is opt-in: DSJAX_PEERS_MAXTEXT=1 make test")
 def test_peers_maxtext_tiny(tmp_path):

@@ -333,7 +333,6 @@ RUN = {"model.num_layers": 2, "model.hidden_size": 64, "model.num_heads": 4,
        "optim.warmup_steps": 1, "checkpoint.every": 0, "metrics.tensorboard": False}
 
 
-@pytest.mark.slow
 def test_training_continues_from_a_converted_checkpoint(tmp_path):
     data = _corpus(tmp_path)
     hf_dir, ckpt_dir, workdir = (str(tmp_path / d) for d in ("hf", "ckpt", "run"))

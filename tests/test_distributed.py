@@ -110,7 +110,6 @@ def _tail(path, chars=4000):
         return f.read()[-chars:]
 
 
-@pytest.mark.slow
 def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     from dsjax.data import build_stdlib_corpus
 
@@ -160,7 +159,6 @@ def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
     np.testing.assert_allclose(evaluated["eval_loss"], summary["eval_loss"], rtol=1e-5)
 
 
-@pytest.mark.slow
 def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
     # SIGTERM reaches process 1 only; process 0 learns of it through the coordination service's
     # key-value store (dsjax/runtime/preemption.py), both finish the same step, write one checkpoint

@@ -151,7 +151,6 @@ def _dry_run(out, python: str, wheels: str):
         return proc, json.load(f)
 
 
-@pytest.mark.slow
 def test_dry_run_on_the_gpu_image_fills_every_row(tmp_path):
     """The smoke preset on CPU in the image's environment: exit 0, every piece ok, the rows and
     the extrapolation right by hand, the MaxText settings recorded, at most 4 files."""
@@ -198,7 +197,6 @@ def test_dry_run_on_the_gpu_image_fills_every_row(tmp_path):
     assert rows["fp8_census"]["fp8_dots"] == rows["fp8_census"]["expected_fp8_dots"] == 21
 
 
-@pytest.mark.slow
 def test_dry_run_with_a_broken_piece_fails_loudly(tmp_path):
     """The ceilings piece broken on purpose (a PYTHON that fails for it): exit 1, that piece
     marked failed in the record and on the last line, every other row still written."""

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from conftest import load_safetensors_dir
 from dsjax import checkpoint as ckpt
-from dsjax import convert
+from dsjax import convert, sharding
 from dsjax.model import Transformer
 from dsjax.model.decoder import abstract_params
 from dsjax.model.loss import loss_fn
@@ -316,10 +316,9 @@ def test_expert_parallel_matches_dense_fallback():
 
 
 def test_expert_parallel_lowers_to_all_to_all():
-    from dsjax import train  # pylint: disable=import-outside-toplevel
     trainer = _trainer()
     state = trainer.abstract_state()
-    with __import__("dsjax.sharding").sharding.activate(trainer.mesh, trainer.rules):
+    with sharding.activate(trainer.mesh, trainer.rules):
         hlo = trainer.jitted(0).lower(state, trainer.abstract_batch()).as_text()
     assert "all_to_all" in hlo or "all-to-all" in hlo
 
@@ -359,7 +358,7 @@ def test_mtp_loss_is_present_weighted_and_dropped_at_eval():
     trainer = _trainer(**{"model.aux_loss_alpha": 0.0})
     state = trainer.init()
     batch = {k: jnp.asarray(v) for k, v in _batch().items()}
-    with __import__("dsjax.sharding").sharding.activate(trainer.mesh, trainer.rules):
+    with sharding.activate(trainer.mesh, trainer.rules):
         nll, _, aux = jax.jit(lambda p: state.objective.loss_and_aux(p, batch))(state.params)
         total, _ = jax.jit(lambda p: loss_fn(p, state.objective, batch))(state.params)
         logits = trainer.eval_model.apply({"params": state.params}, batch["inputs"],
@@ -408,7 +407,6 @@ def test_eval_shape_parameter_counts_match_the_published_totals():
     assert round((with_mtp + copies + scales) / 1e9) == 685
 
 
-@pytest.mark.slow
 def test_tiny_moe_config_trains_with_falling_loss_and_logs_expert_load(tmp_path):
     import json  # pylint: disable=import-outside-toplevel
     from dsjax import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -463,7 +461,7 @@ def test_delayed_fp8_experts_scale_per_expert_like_current_scaling(expert_parall
     batch the delayed model's loss and gradients equal the current-scaling model's, expert by
     expert (one shared scale per projection would not). Experts over `data` (all-to-all
     shard_map) and the dense fallback."""
-    from dsjax import fp8, sharding  # pylint: disable=import-outside-toplevel
+    from dsjax import fp8  # pylint: disable=import-outside-toplevel
     from dsjax.model.loss import loss_fn  # pylint: disable=import-outside-toplevel
 
     flags = {"model.first_k_dense_replace": 0, "model.expert_parallel": expert_parallel,

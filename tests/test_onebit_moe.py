@@ -103,9 +103,13 @@ def test_warmup_equals_adamw_composed(overrides):
         np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(m["expert_load"]),
                                       np.asarray(m_ref["expert_load"]))
-    # As in test_warmup_equals_adamw_on_a_moe_model.
+    # As in test_warmup_equals_adamw_on_a_moe_model, with 5e-6 absolute: the pipelined
+    # gradient sums in yet another order, and an element whose gradient nearly cancels keeps
+    # few correct bits, while Adam moves it by ~lr whatever its size (measured under the
+    # suite's code generation: 1 embedding element of 32768 off by 2.1e-6, lr 3e-3). The bugs
+    # named there move params by >= 1e-5.
     for (name, _, a), (_, _, b) in zip(_leaves(state.params), _leaves(ref.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6, err_msg=name)
 
 
 def test_delayed_fp8_experts_observe_their_own_rows():

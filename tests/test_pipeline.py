@@ -57,12 +57,12 @@ def _loss_and_grads(apply_fn, params, batch):
     ("gpipe", (2, 1, 4), 4, 1, 4, True, 0),
     ("circular", (2, 2, 2), 2, 2, 4, True, 0),
     ("circular", (2, 2, 2), 4, 3, 6, True, 0),  # 3 chunks per stage: 2 all_to_all slots per pair
-    pytest.param("circular", (2, 1, 4), 4, 2, 8, True, 0, marks=pytest.mark.slow),
+    ("circular", (2, 1, 4), 4, 2, 8, True, 0),
     ("1f1b", (2, 2, 2), 2, 1, 4, True, 0),
     ("1f1b", (2, 2, 2), 2, 1, 4, False, 0),
     ("1f1b", (2, 2, 2), 4, 1, 4, True, 0),
     ("1f1b", (2, 1, 4), 4, 1, 4, True, 0),
-    pytest.param("1f1b", (1, 1, 8), 8, 1, 8, True, 0, marks=pytest.mark.slow),
+    ("1f1b", (1, 1, 8), 8, 1, 8, True, 0),
     # Interleaved 1F1B: 2 or 3 chunks per stage, units of one microbatch group per chunk.
     ("interleaved_1f1b", (2, 2, 2), 2, 2, 4, True, 0),
     ("interleaved_1f1b", (2, 2, 2), 2, 2, 4, False, 0),
@@ -440,7 +440,6 @@ def test_split_errors_say_which_values_would_split():
         _cfg(**{**base, "model.num_layers": 8, "remat.policy": "full", "remat.layers": "every_8"})
 
 
-@pytest.mark.slow
 def test_checkpoint_written_with_pp2_evaluates_with_pp1(tmp_path):
     workdir = str(tmp_path / "pp2")
     pp2 = {"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2, "pipeline.schedule": "1f1b",

@@ -11,26 +11,25 @@ import subprocess
 import pytest
 
 import launching
-from conftest import ROOT, TINY_FLAGS, file_digests, run_launch
+from conftest import ROOT, TINY_FLAGS, file_digests, run_launch, shared_run
 from dsjax import checkpoint as ckpt
 
 STEPS = 24
 # Pinned mesh: the comparisons below are bit-for-bit, which holds on one mesh and one CPU.
-FLAGS = {"train.steps": STEPS, "checkpoint.every": 4, "metrics.profile_every": 0,
-         "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1, "train.eval_every": 0,
-         "train.sample_tokens": 0, "metrics.tensorboard": False}
+# Every checkpoint is kept: the continuations below start from the reference's step 8.
+FLAGS = {"train.steps": STEPS, "checkpoint.every": 4, "checkpoint.keep": 10,
+         "metrics.profile_every": 0, "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1,
+         "train.eval_every": 0, "train.sample_tokens": 0, "metrics.tensorboard": False}
 
 
 def _start(workdir, overrides=None, extra=(), stderr=subprocess.PIPE):
     return launching.start(workdir, {**FLAGS, **(overrides or {})}, extra=extra, stderr=stderr)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run every interrupted one must reproduce."""
-    workdir = str(tmp_path_factory.mktemp("reference") / "run")
-    proc = run_launch(workdir, FLAGS, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.fixture
+def reference():
+    """The uninterrupted run every interrupted one must reproduce (made once per session)."""
+    workdir, _ = shared_run("reliability", FLAGS)
     losses = launching.losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return workdir, losses
@@ -188,21 +187,17 @@ def test_checkpoint_of_one_mesh_restores_evaluates_and_trains_on_another(tmp_pat
 # A checkpoint of another config: supported continuations, and a mismatch that stops. None of
 # them may move or change a checkpoint file (docs/reliability.md, "Config changes").
 
-CONT = {**FLAGS, "train.steps": 16, "checkpoint.every": 4, "checkpoint.keep": 10}
-
 
 @pytest.fixture(scope="module")
 def after_step_8(tmp_path_factory):
-    """(losses of an uninterrupted AdamW float32 run of 16 steps, a copy of its run directory as
-    it was after step 8: checkpoints 4 and 8, metrics up to step 8)."""
-    base = str(tmp_path_factory.mktemp("continue") / "base")
-    proc = run_launch(base, CONT, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """(losses of the uninterrupted reference run, a copy of its run directory as it was after
+    step 8: checkpoints 4 and 8, metrics up to step 8)."""
+    base, _ = shared_run("reliability", FLAGS)
     want = launching.losses(base)
-    assert sorted(want) == list(range(1, 17)) and launching.complete_steps(base) == [4, 8, 12, 16]
+    assert launching.complete_steps(base) == list(range(4, STEPS + 1, 4))
     template = str(tmp_path_factory.mktemp("continue") / "after8")
     shutil.copytree(base, template)
-    for step in (12, 16):
+    for step in range(12, STEPS + 1, 4):
         shutil.rmtree(os.path.join(template, "checkpoints", str(step)))
     path = os.path.join(template, "metrics.jsonl")
     with open(path, encoding="utf-8") as f:
@@ -218,7 +213,7 @@ def _continue(template, tmp_path, overrides, extra=()):
     workdir = str(tmp_path / "run")
     shutil.copytree(template, workdir)
     before = file_digests(os.path.join(workdir, "checkpoints"))
-    proc = _start(workdir, {**CONT, **overrides}, extra=extra)
+    proc = _start(workdir, overrides, extra=extra)
     out, err = proc.communicate(timeout=900)
     return proc, out, err, workdir, before
 

@@ -13,30 +13,23 @@ import signal
 import pytest
 
 import launching
-from conftest import read_records, run_launch
+import references
+from conftest import read_records, run_launch, shared_run
 
-COMMON = {"metrics.profile_every": 0, "train.eval_every": 0, "train.sample_tokens": 0,
-          "metrics.tensorboard": False}
 CASES = {
     # cpu_tiny's own mesh and schedule (TINY_FLAGS' 2 layers: one per stage), AdamW.
-    "pipelined": ("configs/cpu_tiny.py", {**COMMON, "train.steps": 10, "checkpoint.every": 2}),
-    # The smoke model at test_onebit_train's size: exact Adam for 2 steps, then compressed, every
-    # 3rd step after the freeze exact (steps 5 and 8 refresh v); the batch grows 8 -> 16 from
-    # step 5.
-    "smoke": ("configs/h100_fp8.py:smoke", {
-        **COMMON, "model.hidden_size": 128, "model.num_kv_heads": 4, "model.mlp_dim": 256,
-        "data.seq_len": 64, "train.steps": 8, "optim.freeze_step": 2, "optim.refresh_every": 3,
-        "checkpoint.every": 2, "metrics.peak_flops_per_device": 1e12}),
+    "pipelined": ("configs/cpu_tiny.py", {**references.QUIET, "train.steps": 10,
+                                          "checkpoint.every": 2}),
+    # The smoke model, shared with test_onebit_train (references.SMOKE).
+    "smoke": (references.SMOKE_CONFIG, references.SMOKE),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def reference(request, tmp_path_factory):
+def reference(request):
     """(case name, config, flags, the uninterrupted run's workdir and {step: loss})."""
     config, flags = CASES[request.param]
-    workdir = str(tmp_path_factory.mktemp(request.param) / "reference")
-    proc = run_launch(workdir, flags, config=config, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    workdir, _ = shared_run(request.param, flags, config=config)
     losses = launching.losses(workdir)
     assert sorted(losses) == list(range(1, flags["train.steps"] + 1))
     return request.param, config, flags, workdir, losses

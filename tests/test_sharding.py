@@ -121,7 +121,6 @@ def _onebit_losses(overrides, batches):
     return trainer, state, np.array(losses), compressed
 
 
-@pytest.mark.slow
 def test_hierarchical_onebit_is_exact_inside_a_host_and_1bit_across_hosts():
     rng = np.random.default_rng(1)
     batches = [random_batch(rng, 8, 32) for _ in range(4)]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, random_batch, read_records, run_launch
+from conftest import ROOT, TINY_FLAGS, random_batch, read_records, run_launch, shared_run
 from dsjax import config as config_lib
 from dsjax.train import build_trainer
 
@@ -20,17 +20,16 @@ SUMMARY_KEYS = {"config", "mesh", "param_count", "steps", "final_train_loss", "e
                 "eval_bits_per_byte", "median_tokens_per_sec", "median_step_ms", "mfu"}
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("run") / "a")
-    proc = run_launch(workdir, {"metrics.profile_every": 3,  # step 3 runs under the profiler
-                                "metrics.cost_per_gpu_hour": 2.5})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir, proc
+@pytest.fixture
+def finished_run():
+    """(workdir, stdout) of a cpu_tiny run, made once per session; tests only read it (the eval
+    tests, which rewrite summary.json, copy it)."""
+    return shared_run("train-contract", {"metrics.profile_every": 3,  # step 3 profiled
+                                         "metrics.cost_per_gpu_hour": 2.5})
 
 
 def test_run_directory_contract(finished_run):
-    workdir, proc = finished_run
+    workdir, stdout = finished_run
     records = read_records(workdir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
@@ -66,8 +65,8 @@ def test_run_directory_contract(finished_run):
         blob = f.read()
     for key in METRIC_KEYS - {"step"}:
         assert f"train/{key}".encode() in blob, key
-    assert "held-out: loss" in proc.stdout and "sample (greedy):" in proc.stdout
-    assert "ETA" in proc.stdout
+    assert "held-out: loss" in stdout and "sample (greedy):" in stdout
+    assert "ETA" in stdout
 
 
 def test_resumed_run_continues_with_the_same_losses(finished_run, tmp_path):
@@ -84,8 +83,9 @@ def test_resumed_run_continues_with_the_same_losses(finished_run, tmp_path):
     assert [r["loss"] for r in second] == [r["loss"] for r in first[2:]]
 
 
-def test_eval_mode_restores_the_final_checkpoint(finished_run):
-    workdir, _ = finished_run
+def test_eval_mode_restores_the_final_checkpoint(finished_run, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(finished_run[0], workdir)
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         trained = json.load(f)
     proc = run_launch(workdir, mode="eval")
@@ -97,8 +97,9 @@ def test_eval_mode_restores_the_final_checkpoint(finished_run):
     assert "held-out: loss" in proc.stdout
 
 
-def test_eval_on_another_mesh_gives_the_same_loss(finished_run):
-    workdir, _ = finished_run
+def test_eval_on_another_mesh_gives_the_same_loss(finished_run, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(finished_run[0], workdir)
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         trained = json.load(f)
     # Written by a 2-stage pipeline, evaluated unpipelined: the sharding changes, the values not.
@@ -141,7 +142,7 @@ def test_bad_config_is_one_clear_line(tmp_path, flag, field):
 
 def test_train_step_with_non_finite_gradient_leaves_state_unchanged():
     cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_tiny.py"),
-                          {k: v for k, v in __import__("conftest").TINY_FLAGS.items()})
+                          dict(TINY_FLAGS))
     trainer = build_trainer(cfg)
     state = trainer.init()
     before = jax.device_get(state.params)
