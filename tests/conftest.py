@@ -150,16 +150,29 @@ def load_safetensors_dir(directory):
     return out
 
 
-def session_stdlib_corpus():
-    """The session's stdlib corpus directory, built by whichever process asks first (a file lock
-    keeps the xdist workers from building it twice at once)."""
+def once_per_session(name, build):
+    """DSJAX_TEST_DATA_DIR/NAME, made by `build(path)` once per test session: the first process
+    to ask (either xdist worker, or a process a test started) builds it while a file lock makes
+    the others wait; later ones find it. A build that raises is not marked done: the next
+    process to ask starts it again from nothing. Tests only read what is there; one that
+    changes it copies it."""
     import fcntl
-    from dsjax.data import build_stdlib_corpus
-    path = os.path.join(os.environ["DSJAX_TEST_DATA_DIR"], "stdlib")
+    path = os.path.join(os.environ["DSJAX_TEST_DATA_DIR"], name)
+    done = path + ".done"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        build_stdlib_corpus(path)
+        if not os.path.exists(done):
+            shutil.rmtree(path, ignore_errors=True)  # a failed attempt's leftovers
+            build(path)
+            open(done, "w").close()  # written last: the build is complete
     return path
+
+
+def session_stdlib_corpus():
+    """The session's stdlib corpus directory."""
+    from dsjax.data import build_stdlib_corpus
+    return once_per_session("stdlib", build_stdlib_corpus)
 
 
 def _config_source(config):
@@ -189,30 +202,23 @@ def child_env() -> dict:
 
 def shared_run(name, overrides=None, config="configs/cpu_tiny.py", timeout=900):
     """A finished `launch.py` run that several tests (in one file or several, on either xdist
-    worker) compare against, made once per test session: (its workdir, its stdout). The first
-    test to ask runs it while a file lock makes the others wait; later ones read it. Tests only
-    read it: one that changes a run copies it first. A run that fails is not kept: each test
-    that asks reports the failure. One name is one run: asking for it with other flags fails."""
-    import fcntl
+    worker) compare against, trained once per test session (`once_per_session`): (its workdir,
+    its stdout). One name is one run: asking for it with other flags fails."""
     import json
-    root = os.path.join(os.environ["DSJAX_TEST_DATA_DIR"], "runs")
-    os.makedirs(root, exist_ok=True)
-    workdir, done = os.path.join(root, name), os.path.join(root, name + ".json")
     made_by = {"config": config, "flags": launch_flags(config, overrides)}
-    with open(os.path.join(root, name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(done):
-            shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt's leftovers
-            proc = run_launch(workdir, overrides, config=config, timeout=timeout)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            with open(done + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({**made_by, "stdout": proc.stdout}, f)
-            os.replace(done + ".tmp", done)  # written last: the run is complete
-    with open(done, encoding="utf-8") as f:
+
+    def train(path):  # path/run: the run directory; path/launch.json: how it was made
+        proc = run_launch(os.path.join(path, "run"), overrides, config=config, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(os.path.join(path, "launch.json"), "w", encoding="utf-8") as f:
+            json.dump({**made_by, "stdout": proc.stdout}, f)
+
+    path = once_per_session(os.path.join("runs", name), train)
+    with open(os.path.join(path, "launch.json"), encoding="utf-8") as f:
         record = json.load(f)
     assert {k: record[k] for k in made_by} == json.loads(json.dumps(made_by)), (
         f"shared run {name!r} was made with other flags")
-    return workdir, record["stdout"]
+    return os.path.join(path, "run"), record["stdout"]
 
 
 def in_default_xla(module, function, *args, timeout=600):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_FLAGS, child_env, read_records, run_launch
+from conftest import ROOT, TINY_FLAGS, child_env, read_records, run_launch, session_stdlib_corpus
 from dsjax import config as config_lib
 from dsjax import sharding
 from dsjax.runtime import distributed, xla_flags
@@ -111,12 +111,8 @@ def _tail(path, chars=4000):
 
 
 def test_two_processes_match_one_and_their_checkpoint_evaluates(tmp_path):
-    from dsjax.data import build_stdlib_corpus
-
-    # Prebuilt once, shared by both runs (saves building it twice; processes of one run no longer
-    # race on it: process 0 builds, the others wait).
-    corpus = str(tmp_path / "corpus")
-    build_stdlib_corpus(corpus)
+    # The session's corpus, built before either run starts.
+    corpus = session_stdlib_corpus()
     # The "overlap" XLA profile rides along: its flags are GPU-only, so on CPU the losses must
     # not move, and config.json must record them.
     flags = {**TINY_FLAGS, "train.steps": 3, "checkpoint.every": 0, "data.path": corpus,
@@ -164,11 +160,9 @@ def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
     # key-value store (dsjax/runtime/preemption.py), both finish the same step, write one checkpoint
     # together and exit 0. A disagreement would hang the next collective (the test then fails
     # on its deadline instead).
-    from dsjax.data import build_stdlib_corpus
     import signal
 
-    corpus = str(tmp_path / "corpus")
-    build_stdlib_corpus(corpus)
+    corpus = session_stdlib_corpus()
     flags = {**TINY_FLAGS, "train.steps": 200, "checkpoint.every": 0, "data.path": corpus,
              "mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1, "metrics.profile_every": 0}
     workdir = str(tmp_path / "run")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DeepseekVLForConditionalGeneration
 
-from conftest import FLAT_MESH, TINY_FLAGS, random_batch, read_records, run_launch
+from conftest import FLAT_MESH, TINY_FLAGS, once_per_session, random_batch, read_records, run_launch
 from dsjax import checkpoint as ckpt
 from dsjax import config as config_lib
 from dsjax import convert
@@ -29,21 +29,25 @@ VISION = {"vision.tower": "siglip", "vision.image_size": 16, "vision.patch_size"
 MIX = "text:0.4,image:0.4,video:0.2"
 
 
-@pytest.fixture(scope="module")
-def vl_data(tmp_path_factory):
-    """data/{text,image,video}/{train,eval}: the corpus builder's records through prepare."""
-    root = tmp_path_factory.mktemp("vl")
-    corpus = build_vl_corpus(str(root / "raw"), image_size=16, seed=0, num_videos=60)
-    data = root / "data"
+def _build_vl_data(root):
+    corpus = build_vl_corpus(os.path.join(root, "raw"), image_size=16, seed=0, num_videos=60)
+    data = os.path.join(root, "data")
     for kind in ("image", "video"):
         files = [corpus[f"{kind}_train"], corpus[f"{kind}_eval"]]
-        prepare_multimodal(files, "byte", str(data / kind), image_size=16, video_fps=8.0,
+        prepare_multimodal(files, "byte", os.path.join(data, kind), image_size=16, video_fps=8.0,
                            max_frames=2, eval_fraction=0.3, seed=0)  # >= 8 held-out rows
-    text = root / "text.jsonl"
-    text.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3})
-                              for i in range(200)))
-    prepare_text([str(text)], "jsonl", "byte", str(data / "text"), eval_fraction=0.1)
-    return str(data)
+    text = os.path.join(root, "text.jsonl")
+    with open(text, "w", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 3})
+                          for i in range(200)))
+    prepare_text([text], "jsonl", "byte", os.path.join(data, "text"), eval_fraction=0.1)
+
+
+@pytest.fixture
+def vl_data():
+    """data/{text,image,video}/{train,eval}: the corpus builder's records through prepare, built
+    once per session."""
+    return os.path.join(once_per_session("vl_train_data", _build_vl_data), "data")
 
 
 def _flags(data, **more):
