@@ -178,7 +178,8 @@ def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
     assert sent, "the run ended before the signal"
     steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
     assert len(steps) == 1 and 3 <= steps[0] < 200, steps
-    assert f"stopped early at step {steps[0]} of 200 (process 1: SIGTERM)" in logs[0], logs[0][-2000:]
+    assert f"stopped early at step {steps[0]} of 200 (process 1: SIGTERM)" in logs[0], (
+        logs[0][-2000:])
     assert "SIGTERM received" in logs[1]
     assert "held-out: loss" not in logs[0]  # stopped early: no eval
 

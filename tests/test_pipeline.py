@@ -340,8 +340,9 @@ def test_fsdp_inside_the_pipeline_matches_the_unpipelined_model(schedule, repeat
     assert_grads_match(grads, ref_grads)  # measured 4.4e-7
     shape = batching.Shape(8, 1, 2)
     with sharding.activate(trainer.mesh, trainer.rules):
-        hlo = trainer.programs.jitted(0, shape).lower(trainer.abstract_state(), batching.abstract_batch(
-            trainer.batch_shardings, shape, 16)).compile().as_text()
+        hlo = trainer.programs.jitted(0, shape).lower(
+            trainer.abstract_state(),
+            batching.abstract_batch(trainer.batch_shardings, shape, 16)).compile().as_text()
     comps, looped = computations_in_loops(hlo)
     gathers = lambda names: sum(len(re.findall(r" all-gather(?:-start)?\(", line))
                                 for c in names for line in comps[c])
@@ -610,8 +611,9 @@ def _flip_sizes(out):
 def _assert_fp8_matches(out, ref, run):
     """out, ref: (value, grads, amax observations) of the pipelined and the unpipelined fp8
     model; run: the reference, traced afresh. They match up to float32 reordering (1e-5
-    relative; measured <= 2e-7 per gradient, 1.5e-7 per amax, where no value flipped) plus what rounding the reference's values near an fp8 tie the
-    other way can move (`_fp8_flip_allowance`)."""
+    relative; measured <= 2e-7 per gradient, 1.5e-7 per amax, where no value flipped) plus
+    what rounding the reference's values near an fp8 tie the other way can move
+    (`_fp8_flip_allowance`)."""
     near, (d_value, d_grads, d_amax) = _fp8_flip_allowance(run, jax.device_get(ref))
     # ~0.2-0.4 values per ulp of window: FLIP_ULPS 16 finds a handful (3 here, which allow
     # 6e-4 to 3.8e-2 of a gradient; a scale from the wrong step moves each by 4-30x its

@@ -69,12 +69,13 @@ def test_second_signal_exits_at_once_and_the_last_checkpoint_survives(reference,
     err_path = str(tmp_path / "stderr.txt")
     with open(err_path, "w", encoding="utf-8") as err_file:
         proc = _start(workdir, stderr=err_file)
-        launching.wait_for(lambda: len(launching.complete_steps(workdir)) >= 1 and launching.logged_steps(workdir) >= 6,
-                  proc)
+        launching.wait_for(lambda: len(launching.complete_steps(workdir)) >= 1
+                           and launching.logged_steps(workdir) >= 6, proc)
         proc.send_signal(signal.SIGTERM)
         # Signals that arrive together are delivered once: the second goes once the first is
         # handled (the trainer is then finishing its step, with a checkpoint to write).
-        launching.wait_for(lambda: "SIGTERM received" in open(err_path, encoding="utf-8").read(), proc)
+        launching.wait_for(
+            lambda: "SIGTERM received" in open(err_path, encoding="utf-8").read(), proc)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=900)
     err = open(err_path, encoding="utf-8").read()
@@ -127,7 +128,8 @@ def test_corrupt_checkpoint_stops_unless_fallback_is_allowed(reference, tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"checkpoint step {last}" in proc.stderr and "is corrupt" in proc.stderr
     assert target in proc.stderr and "--allow_fallback" in proc.stderr
-    assert launching.complete_steps(workdir)[-1] == last  # nothing moved or deleted without the flag
+    # Nothing moved or deleted without the flag.
+    assert launching.complete_steps(workdir)[-1] == last
     proc = _start(workdir, extra=["--allow_fallback"])
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
