@@ -234,8 +234,8 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
     assert [r["onebit_compressed"] for r in records] == [0, 0, 1, 1, 0, 1, 1, 0]
     losses = [r["loss"] for r in records]
     assert all(np.isfinite(losses)), losses
-    # From ~6.24 (uniform over 512) to ~4 in 6 steps at lr 3e-3; the compressed steps keep it
-    # falling (measured 6.24, 6.24, 5.70, 5.12, 4.38, 3.98).
+    # From ~6.24 (uniform over 512) to under 4 in 8 steps at lr 3e-3; the compressed steps keep
+    # it falling (measured 6.24, 6.24, 5.70, 5.10, 4.24, 3.77, 3.75, 3.75).
     assert losses[-1] < losses[2] < losses[0] - 0.3, losses
     assert "held-out: loss" in stdout
 
