@@ -113,8 +113,16 @@ class TrainConfig:
     seed: int = 0  # init and data-order seed
     compute_dtype: str = "float32"  # float32 | bfloat16 | float16 | fp8 (master weights float32)
     eval_every: int = 0  # steps between evaluations (0: only at the end)
-    sample_prompt: str = "def "  # greedy sample prompt printed after training
+    sample_prompt: str = "def "  # prompt of the sample printed after training
     sample_tokens: int = 64  # tokens of that sample (0: no sample)
+    # Sampling of that sample and of `python -m dsjax.generate` (docs/posttraining.md): greedy
+    # decoding of a small model loops, so the default samples.
+    sample_temperature: float = 0.8  # softmax temperature; 0 = greedy (argmax)
+    sample_top_p: float = 0.9  # nucleus: the smallest set of tokens with this much mass; 1 = off
+    sample_top_k: int = 0  # only the k most likely tokens; 0 = off
+    task: str = "pretrain"  # pretrain | sft (completion-only loss on a chat split) | dpo
+                            # (preference pairs against the frozen starting policy)
+    dpo_beta: float = 0.1  # dpo: the KL penalty strength beta of the DPO loss
     nonfinite: str = "stop"  # non-finite loss/gradient: stop, or skip the step (float16 always
                              # skips and halves its loss scale)
     max_consecutive_skips: int = 10  # then stop anyway

@@ -24,6 +24,7 @@ FP8_RECIPES = ("current", "delayed", "rowwise")
 FP8_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 FP8_OTHER_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("stop", "skip")
+TRAIN_TASKS = ("pretrain", "sft", "dpo")  # docs/posttraining.md
 OPTIMIZERS = ("adamw", "onebit_adam")
 ONEBIT_COMPRESS = ("update", "momentum")  # 1-bit Adam: m / (sqrt(v) + eps), or m (DeepSpeed)
 DATA_SOURCES = ("stdlib", "prepared", "vl_corpus")
@@ -211,7 +212,17 @@ def validate_train(cfg: Config) -> None:
             "loss_scale_growth", non_negative="eval_every sample_tokens")
     one_of("train.nonfinite", t.nonfinite, NONFINITE_POLICIES, "policy")
     one_of("train.compute_dtype", t.compute_dtype, COMPUTE_DTYPES, "dtype")
+    one_of("train.task", t.task, TRAIN_TASKS, "task")
     trainable_groups(t.trainable)
+    if not t.sample_temperature >= 0:
+        raise ConfigError(f"train.sample_temperature: must be >= 0 (0 = greedy), got "
+                          f"{t.sample_temperature}")
+    if not 0 < t.sample_top_p <= 1:
+        raise ConfigError(f"train.sample_top_p: must be in (0, 1] (1 = off), got {t.sample_top_p}")
+    if t.sample_top_k < 0:
+        raise ConfigError(f"train.sample_top_k: must be >= 0 (0 = off), got {t.sample_top_k}")
+    if not t.dpo_beta > 0:
+        raise ConfigError(f"train.dpo_beta: must be > 0, got {t.dpo_beta}")
 
 
 def validate_vision(cfg: Config) -> None:
