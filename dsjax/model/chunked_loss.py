@@ -41,6 +41,21 @@ def _rules_now() -> Any:
     return tuple(tuple(r) for r in rules) if rules else None
 
 
+def _split(a: jax.Array, n: int, c: int) -> jax.Array:
+    """[B, S, ...] -> [n, B, c, ...], the sequence padded with zeros to n * c positions."""
+    B, S = a.shape[:2]
+    a = jnp.pad(a, [(0, 0), (0, n * c - S)] + [(0, 0)] * (a.ndim - 2))
+    return a.reshape(B, n, c, *a.shape[2:]).swapaxes(0, 1)
+
+
+def _chunks(S: int, chunk: int) -> tuple[int, int]:
+    """(chunks n, positions per chunk c) for a sequence of S positions."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    c = min(chunk, S)
+    return -(-S // c), c
+
+
 def chunked_cross_entropy(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array,
                           weights_BS: jax.Array, *, dtype: Any, chunk: int
                           ) -> tuple[jax.Array, jax.Array]:
@@ -48,20 +63,23 @@ def chunked_cross_entropy(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.
     `weighted_cross_entropy(output_logits(x, head, dtype), targets, weights)` with logits made
     `chunk` sequence positions at a time ([B, chunk, V] each; S need not divide by it). The head
     matmuls run in `dtype` with float32 accumulation, forward and backward."""
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
-    B, S, D = x_BSD.shape
-    c = min(chunk, S)
-    n = -(-S // c)
-    pad = n * c - S  # padded positions get weight 0 (and target 0): they add nothing
-
-    def split(a, fill=0):  # [B, S, ...] -> [n, B, c, ...]
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-        return a.reshape(B, n, c, *a.shape[2:]).swapaxes(0, 1)
-
-    total = _chunked_nll(split(x_BSD), head_DV, split(targets_BS), split(weights_BS), dtype,
-                         _rules_now())
+    n, c = _chunks(x_BSD.shape[1], chunk)
+    # padded positions get weight 0 (and target 0): they add nothing
+    total = _chunked_nll(_split(x_BSD, n, c), head_DV, _split(targets_BS, n, c),
+                         _split(weights_BS, n, c), dtype, _rules_now())
     return total, jnp.sum(weights_BS.astype(jnp.float32))
+
+
+def chunked_token_nll(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array, *,
+                      dtype: Any, chunk: int) -> jax.Array:
+    """Each position's next-token NLL [B, S] float32 (logsumexp - target logit), logits made
+    `chunk` positions at a time as in `chunked_cross_entropy`; its backward takes a cotangent
+    per token (a sequence-level loss such as DPO's weighs each token's NLL by its own factor)."""
+    B, S = targets_BS.shape
+    n, c = _chunks(S, chunk)
+    nll_nBc = _chunked_token_nll(_split(x_BSD, n, c), head_DV, _split(targets_BS, n, c), dtype,
+                                 _rules_now())
+    return nll_nBc.swapaxes(0, 1).reshape(B, n * c)[:, :S]
 
 
 def _logits(x_BcD: jax.Array, head_DV: jax.Array, dtype: Any, rules: Any) -> jax.Array:
@@ -105,25 +123,52 @@ def _chunked_nll_fwd(x_nBcD, head_DV, targets_nBc, weights_nBc, dtype, rules):
 
 def _chunked_nll_bwd(dtype, rules, res, g):
     x_nBcD, head_DV, targets_nBc, weights_nBc, lse_nBc = res
+    dx_nBcD, dhead_DV, nll_nBc = _head_backward(x_nBcD, head_DV, targets_nBc, lse_nBc,
+                                                g * weights_nBc, dtype, rules)
+    dw_nBc = (g * nll_nBc).astype(weights_nBc.dtype)
+    return dx_nBcD, dhead_DV, None, _like_primal(dw_nBc, weights_nBc)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_token_nll(x_nBcD, head_DV, targets_nBc, dtype, rules):
+    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype, rules)
+    return lse_nBc - target_nBc
+
+
+def _chunked_token_nll_fwd(x_nBcD, head_DV, targets_nBc, dtype, rules):
+    lse_nBc, target_nBc = _forward(x_nBcD, head_DV, targets_nBc, dtype, rules)
+    return lse_nBc - target_nBc, (x_nBcD, head_DV, targets_nBc, lse_nBc)
+
+
+def _chunked_token_nll_bwd(dtype, rules, res, g_nBc):
+    x_nBcD, head_DV, targets_nBc, lse_nBc = res
+    dx_nBcD, dhead_DV, _ = _head_backward(x_nBcD, head_DV, targets_nBc, lse_nBc, g_nBc, dtype,
+                                          rules)
+    return dx_nBcD, dhead_DV, None
+
+
+def _head_backward(x_nBcD, head_DV, targets_nBc, lse_nBc, scale_nBc, dtype, rules):
+    """(dL/dx [n, B, c, D], dL/dhead [D, V], each token's NLL [n, B, c]) for a loss whose
+    cotangent of token t's NLL is scale[t]: dlogits = (softmax - onehot(target)) * scale,
+    recomputing one chunk's logits at a time."""
     head_c = head_DV.astype(dtype)
 
     def chunk_grads(xs):
-        """One chunk: (dL/dhead [D, V] float32, (dL/dx [B, c, D], dL/dweights [B, c]))."""
-        x_BcD, t_Bc, w_Bc, lse_Bc = xs
+        """One chunk: (dL/dhead [D, V] float32, (dL/dx [B, c, D], NLL [B, c]))."""
+        x_BcD, t_Bc, s_Bc, lse_Bc = xs
         logits_BcV = _logits(x_BcD, head_DV, dtype, rules)
         p_BcV = jnp.exp(logits_BcV - lse_Bc[..., None])
         hit_BcV = _is_target(logits_BcV, t_Bc)  # softmax - onehot(target) as a select
-        scale_Bc = (g * w_Bc).astype(jnp.float32)
+        scale_Bc = s_Bc.astype(jnp.float32)
         dlogits_BcV = (jnp.where(hit_BcV, p_BcV - 1.0, p_BcV) * scale_Bc[..., None]).astype(dtype)
         dlogits_BcV = nn.with_logical_constraint(dlogits_BcV, LOGITS, rules=rules)
         dx_BcD = jnp.einsum("BcV,DV->BcD", dlogits_BcV, head_c,
                             preferred_element_type=jnp.float32).astype(x_BcD.dtype)
         dhead_DV = jnp.einsum("BcD,BcV->DV", x_BcD.astype(dtype), dlogits_BcV,
                               preferred_element_type=jnp.float32)
-        dw_Bc = (g * (lse_Bc - _target_logit(logits_BcV, hit_BcV))).astype(w_Bc.dtype)
-        return dhead_DV, (dx_BcD, dw_Bc)
+        return dhead_DV, (dx_BcD, lse_Bc - _target_logit(logits_BcV, hit_BcV))
 
-    xs = (x_nBcD, targets_nBc, weights_nBc, lse_nBc)
+    xs = (x_nBcD, targets_nBc, scale_nBc, lse_nBc)
     # The first chunk outside the scan: its dhead starts the accumulator with the right type
     # (inside shard_map, varying over the same manual axes as the later chunks' sums).
     dhead_DV, first = chunk_grads(jax.tree.map(lambda a: a[0], xs))
@@ -133,10 +178,9 @@ def _chunked_nll_bwd(dtype, rules, res, g):
         return acc_DV + d_DV, out
 
     dhead_DV, rest = lax.scan(body, dhead_DV, jax.tree.map(lambda a: a[1:], xs))
-    dx_nBcD, dw_nBc = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+    dx_nBcD, nll_nBc = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
     return (_like_primal(dx_nBcD, x_nBcD), _like_primal(dhead_DV.astype(head_DV.dtype), head_DV),
-            None, _like_primal(dw_nBc, weights_nBc))
-
+            nll_nBc)
 
 
 def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
@@ -148,3 +192,4 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
 
 
 _chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
+_chunked_token_nll.defvjp(_chunked_token_nll_fwd, _chunked_token_nll_bwd)

@@ -44,7 +44,8 @@ def head_nll(x_BSD: jax.Array, head_DV: jax.Array, targets_BS: jax.Array,
     return weighted_cross_entropy(output_logits(x_BSD, head_DV, dtype), targets_BS, weights_BS)
 
 
-def _variables(params: Any, fp8_meta: Any) -> dict[str, Any]:
+def model_variables(params: Any, fp8_meta: Any = None) -> dict[str, Any]:
+    """The variables `model.apply` takes: the params, and delayed fp8 scaling state if any."""
     variables = {"params": params}
     if fp8_meta:
         variables[fp8.META_COLLECTION] = fp8_meta
@@ -63,7 +64,7 @@ class ModelLoss:
     def nll_sum(self, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
                 ) -> tuple[jax.Array, jax.Array]:
         """Sum of next-token NLL over weighted positions, and the weight sum (no MTP heads)."""
-        x_BSD, head_DV = self.model.apply(_variables(params, fp8_meta), batch["inputs"],
+        x_BSD, head_DV = self.model.apply(model_variables(params, fp8_meta), batch["inputs"],
                                           batch["positions"], batch["segment_ids"],
                                           head_inputs=True, **media_args(batch))
         return self._head_nll(x_BSD, head_DV, batch)
@@ -77,7 +78,7 @@ class ModelLoss:
         that differentiate themselves (`Pipelined`'s 1F1B); `jax.grad` applies it here."""
         del seed
         (x_BSD, head_DV), sown = self.model.apply(
-            _variables(params, fp8_meta), batch["inputs"], batch["positions"],
+            model_variables(params, fp8_meta), batch["inputs"], batch["positions"],
             batch["segment_ids"], batch["targets"], batch["weights"], head_inputs=True,
             mutable=[AUX], **media_args(batch))
         total, count = self._head_nll(x_BSD, head_DV, batch)
