@@ -2,7 +2,9 @@
 
 Both expose `name`, `vocab_size`, `eos_id` (None when the vocabulary has no end-of-document token),
 `is_byte`, `encode(text) -> int32 ids` (never adds special tokens: the shard writer appends eos
-itself, so every tokenizer delimits documents the same way) and `decode(ids) -> str`.
+itself, so every tokenizer delimits documents the same way), `encode_offsets(text) -> (ids,
+offsets int64[n, 2])` (each token's [start, end) in characters of `text`, what a chat template's
+loss mask is cut by) and `decode(ids) -> str`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.encode(text)
+        # A byte belongs to the character its lead byte starts; continuation bytes are 10xxxxxx.
+        char = np.cumsum((ids & 0xC0) != 0x80) - 1
+        return ids, np.stack([char, char + 1], axis=1).astype(np.int64)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)
@@ -67,6 +75,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), offsets
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in np.asarray(ids).reshape(-1)]
