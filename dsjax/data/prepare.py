@@ -7,7 +7,9 @@ Two passes over the input: the first reads and checks every document (so a bad l
 anything is written) and assigns it to train or eval by a seeded hash of its *content* -- the
 same text always lands in the same split, so duplicates cannot leak from train into eval; the
 second tokenizes and writes. Bad input exits with code 2 and one line naming the file and line.
-`--format multimodal` (JSONL with images and videos, `--image_size N`) is `multimodal.prepare`.
+`--format multimodal` (JSONL with images and videos, `--image_size N`) is `multimodal.prepare`;
+`--format chat` and `--format preference` (JSONL conversations and preference pairs for SFT and
+DPO, `--seq_len N`) are `chat_prepare`: there a bad record is skipped with its line, not fatal.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from dsjax.config.sections import DataConfig, VisionConfig
 from dsjax.errors import DataError
+from dsjax.data.chat_prepare import FORMATS as CHAT_FORMATS, prepare_chat
 from dsjax.data.inputs import check_out_dir, eval_score, expand_inputs, jsonl_records
 from dsjax.data.multimodal.prepare import prepare_multimodal
 from dsjax.data.shards import ShardWriter
@@ -115,9 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True,
                         help="file, directory or glob; repeatable")
-    parser.add_argument("--format", choices=FORMATS + ("multimodal",), default="text",
+    parser.add_argument("--format", choices=FORMATS + ("multimodal",) + tuple(CHAT_FORMATS),
+                        default="text",
                         help="text: a file (or paragraph) per document; jsonl: a line per "
-                        "document; multimodal: JSONL records with 'images' or 'video'")
+                        "document; multimodal: JSONL records with 'images' or 'video'; chat: "
+                        "JSONL {'messages': [{'role', 'content'}, ...]}; preference: JSONL "
+                        "{'prompt', 'chosen', 'rejected'}")
     parser.add_argument("--split_on_blank_lines", action="store_true",
                         help="text format: each blank-line-separated paragraph is a document")
     parser.add_argument("--jsonl_field", default="text", help="jsonl: the field holding the text")
@@ -128,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard_tokens", type=int, default=2**24, help="tokens per shard file")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace train/ and eval/ if --out holds them already")
+    parser.add_argument("--seq_len", type=int, default=0,
+                        help="chat, preference: the row length training reads (data.seq_len); "
+                        "an example (a pair) longer than seq_len + 1 tokens is skipped")
     parser.add_argument("--image_size", type=int, default=VisionConfig.image_size,
                         help="multimodal: images and video frames are resized to N x N (the "
                         "model's vision.image_size)")
@@ -148,8 +157,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --eval_input is for --format multimodal, got --format {args.format}",
               file=sys.stderr)
         return 2
+    chat = args.format in CHAT_FORMATS
+    if chat != bool(args.seq_len):
+        print(f"error: --seq_len is {'required' if chat else 'only'} for --format chat and "
+              f"preference" + ("" if chat else f", got --format {args.format}"), file=sys.stderr)
+        return 2
     try:
-        if args.format == "multimodal":
+        if chat:
+            result = prepare_chat(args.input, args.format, args.tokenizer, args.out,
+                                  args.seq_len, args.eval_fraction, args.seed,
+                                  args.shard_tokens, args.overwrite,
+                                  on_skip=lambda line: print(f"skipped {line}", file=sys.stderr))
+        elif args.format == "multimodal":
             result = prepare_multimodal(args.input, args.tokenizer, args.out, args.image_size,
                                         args.video_fps, args.max_frames, args.eval_fraction,
                                         args.seed, args.shard_tokens, args.shard_images,
@@ -161,6 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if chat:
+        unit = "conversations" if args.format == "chat" else "preference pairs"
+        print("wrote " + "; ".join(
+            f"{result[s + '_dir']}: {result[s]['num_examples']:,} {unit}, "
+            f"{result[s]['num_tokens']:,} tokens ({result[s]['num_target_tokens']:,} trained)"
+            for s in ("train", "eval")))
+        print(f"skipped {len(result['skipped'])} bad record(s)"
+              + (" (each named above)" if result["skipped"] else ""))
+        return 0
     images = lambda meta: f", {meta['num_images']:,} images" if "num_images" in meta else ""
     summary = "; ".join(f"{result[s + '_dir']}: {result[s]['num_docs']:,} docs, "
                         f"{result[s]['num_tokens']:,} tokens{images(result[s])}"
