@@ -5,13 +5,15 @@ time, so one prepared corpus serves every sequence length. Importing this packag
 Grain (which imports JAX) is loaded when a stream is first built. `splits` (which imports JAX and
 the config) says where a run's train and held-out shards are. Multimodal splits (`multimodal/`:
 prepared, stored, packed, media decoded) hold images beside the tokens; `mixture` mixes sources
-of either kind by weight.
+of either kind by weight. Chat and preference splits (SFT, DPO: `chat_prepare` writes them with
+a `chat_template`'s loss mask, `chat_source` packs whole examples) are read the same way.
 """
 
 from dsjax.errors import DataError
 from dsjax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from dsjax.data.shards import PackedSource, ShardWriter
-from dsjax.data.stream import SampleStream, eval_batches, make_example
+from dsjax.data.chat_source import ChatSource
+from dsjax.data.stream import SampleStream, eval_batches, make_example, open_split
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
 from dsjax.data.multimodal.media import MediaError, load_image, load_video
 from dsjax.data.multimodal.shards import MultimodalWriter
@@ -37,6 +39,8 @@ __all__ = [
     "load_tokenizer",
     "PackedSource",
     "ShardWriter",
+    "ChatSource",
+    "open_split",
     "SampleStream",
     "eval_batches",
     "make_example",

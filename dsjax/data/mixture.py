@@ -26,8 +26,7 @@ from dsjax.config.validate import mix_weights
 from dsjax.errors import DataError
 from dsjax.data.multimodal.pack import MultimodalSource
 from dsjax.data.multimodal.shards import is_multimodal
-from dsjax.data.shards import PackedSource
-from dsjax.data.stream import SampleStream, make_example
+from dsjax.data.stream import SampleStream, make_example, open_split
 
 BLOCK = 1000  # samples per block; the mixture's proportions are exact to 1 / BLOCK per block
 
@@ -93,11 +92,12 @@ class _MixedRows:
 
 def open_source(split_dir: str, seq_len: int, tokens_per_image: int, max_images: int,
                 image_size: int, max_tiles: int = 0):
-    """`MultimodalSource` for a multimodal split, `PackedSource` for a text split."""
+    """`MultimodalSource` for a multimodal split, else what `stream.open_split` opens (text,
+    chat, preference)."""
     if is_multimodal(split_dir):
         return MultimodalSource(split_dir, seq_len, tokens_per_image, max_images, image_size,
                                 max_tiles)
-    return PackedSource(split_dir, seq_len)
+    return open_split(split_dir, seq_len)
 
 
 def _open_all(paths_by_name: Mapping[str, str], seq_len, tokens_per_image, max_images,

@@ -1,5 +1,8 @@
 """Where a run's train and held-out token shards are: the stdlib corpus (built once, in a cache
-directory) or a prepared corpus (`python -m dsjax.data.prepare`), checked before training."""
+directory) or a prepared corpus (`python -m dsjax.data.prepare`), checked before training.
+
+A split's kind (its meta.json format) must suit `train.task`: pretraining reads text (and
+multimodal) splits, SFT chat splits, DPO preference splits."""
 
 from __future__ import annotations
 
@@ -11,10 +14,20 @@ from typing import Any
 import jax
 
 from dsjax.config import Config, mix_weights
-from dsjax.data.shards import PackedSource
+from dsjax.data import shards
+from dsjax.data.chat_source import CHAT_FORMAT, PREFERENCE_FORMAT, check_fits, read_chat_meta
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
+from dsjax.data.stream import open_split
+from dsjax.data.multimodal import shards as mm_shards
 from dsjax.data.multimodal.vl_sources import build_vl_sources
 from dsjax.errors import DataError
+
+# meta.json format -> the split's kind; the kinds each train.task reads.
+KINDS = {shards.FORMAT: "text", mm_shards.FORMAT: "multimodal", CHAT_FORMAT: "chat",
+         PREFERENCE_FORMAT: "preference"}
+TASK_KINDS = {"pretrain": ("text", "multimodal"), "sft": ("chat",), "dpo": ("preference",)}
+_PREPARE_FOR = {"sft": "--format chat", "dpo": "--format preference"}
+_TASK_FOR = {"chat": "sft", "preference": "dpo"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,10 +36,16 @@ class Splits:
     eval: str
     tokenizer: str
     sources: tuple[tuple[str, str, str], ...] = ()  # data.mix: (name, train dir, eval dir)
+    kind: str = "text"  # text | multimodal | chat | preference (every source's, in a mixture)
 
     @property
     def mixed(self) -> bool:
         return bool(self.sources)
+
+    @property
+    def pairs(self) -> bool:
+        """Rows hold preference pairs: segments 2j-1 (chosen) and 2j (rejected) are pair j."""
+        return self.kind == "preference"
 
 
 def prepared_max_tiles(cfg: Config) -> int:
@@ -74,23 +93,55 @@ def _check_vocab(cfg: Config, meta: dict, where: str) -> None:
                         f"set vision.tower='siglip'")
 
 
+def _check_kind(cfg: Config, meta: dict, where: str) -> str:
+    """The split's kind, which `train.task` must read; DataError saying what to change."""
+    task, kind = cfg.train.task, KINDS.get(meta.get("format"), "text")
+    if kind in TASK_KINDS[task]:
+        return kind
+    if task == "pretrain":
+        raise DataError(f"train.task: {where} holds {kind} examples ({meta['format']}), which "
+                        f"pretraining does not read; set train.task='{_TASK_FOR[kind]}'")
+    raise DataError(f"train.task: '{task}' trains on {TASK_KINDS[task][0]} splits, but {where} "
+                    f"holds {kind} data ({meta.get('format')}); prepare one with `python -m "
+                    f"dsjax.data.prepare {_PREPARE_FOR[task]} ...`, or set train.task to "
+                    f"'{_TASK_FOR.get(kind, 'pretrain')}'")
+
+
 def _check_eval_size(cfg: Config, meta: dict, eval_dir: str) -> None:
-    """A held-out text split too small for one eval batch stops the run before its first step,
-    not after its last. (A multimodal split's rows depend on the model's media layout; its reader
+    """A held-out split too small for one eval batch stops the run before its first step, not
+    after its last. (A multimodal split's rows depend on the model's media layout; its reader
     checks it.)"""
     if "image_token_id" in meta:
         return
     d = cfg.data
-    rows = len(PackedSource(eval_dir, d.seq_len))
+    rows = len(open_split(eval_dir, d.seq_len))
     if rows < d.global_batch:
         raise DataError(f"{eval_dir}: {rows} rows of data.seq_len={d.seq_len}, fewer than one "
                         f"eval batch of data.global_batch={d.global_batch}; prepare more held-out "
-                        f"text (a larger prepare --eval_fraction), or lower data.seq_len or "
+                        f"data (a larger prepare --eval_fraction), or lower data.seq_len or "
                         f"data.global_batch")
+
+
+def _check_split(cfg: Config, path: str) -> tuple[dict, str]:
+    """(train meta, kind) of the prepared splits under `path`, each check done up front."""
+    meta = _check_prepared(path, path)
+    train, held_out = os.path.join(path, "train"), os.path.join(path, "eval")
+    kind = _check_kind(cfg, meta, train)
+    _check_vocab(cfg, meta, train)
+    if kind in _TASK_FOR:
+        check_fits(read_chat_meta(train), train, cfg.data.seq_len)
+    _check_eval_size(cfg, meta, held_out)
+    return meta, kind
 
 
 def data_splits(cfg: Config, workdir: str) -> Splits:
     """The train and held-out split directories for `cfg.data` (builds the stdlib corpus once)."""
+    task = cfg.train.task
+    if cfg.data.source != "prepared" and task != "pretrain":
+        raise DataError(f"train.task: '{task}' trains on a prepared "
+                        f"{TASK_KINDS[task][0]} split; set data.source='prepared' and data.path "
+                        f"to the --out of `python -m dsjax.data.prepare {_PREPARE_FOR[task]} "
+                        f"...` (data.source is {cfg.data.source!r})")
     if cfg.data.source == "stdlib":
         if cfg.data.tokenizer != "byte":
             raise DataError("data.tokenizer: the stdlib corpus is byte-tokenized; use 'byte'")
@@ -103,22 +154,21 @@ def data_splits(cfg: Config, workdir: str) -> Splits:
             root, cfg.vision.image_size, cfg.data.video_fps, cfg.data.max_frames,
             max_tiles=prepared_max_tiles(cfg)), "dsjax vl corpus")
         return Splits("", "", "byte", tuple((name, *built[name])
-                                            for name in mix_weights(cfg.data.mix)))
+                                            for name in mix_weights(cfg.data.mix)), "multimodal")
     if cfg.data.mix:
-        sources, tokenizer = [], None
+        sources, tokenizer, kinds = [], None, set()
         for name in mix_weights(cfg.data.mix):
             path = os.path.join(cfg.data.path, name)
-            meta = _check_prepared(path, path)
-            _check_vocab(cfg, meta, os.path.join(path, "train"))
-            _check_eval_size(cfg, meta, os.path.join(path, "eval"))
+            meta, kind = _check_split(cfg, path)
             tokenizer = meta["tokenizer"]
+            kinds.add(kind)
             sources.append((name, os.path.join(path, "train"), os.path.join(path, "eval")))
-        return Splits("", "", tokenizer, tuple(sources))
-    meta = _check_prepared(cfg.data.path, cfg.data.path)
+        # Text and multimodal sources mix (pretraining); a post-training task reads one kind.
+        kind = kinds.pop() if len(kinds) == 1 else "multimodal"
+        return Splits("", "", tokenizer, tuple(sources), kind)
+    meta, kind = _check_split(cfg, cfg.data.path)
     train, held_out = os.path.join(cfg.data.path, "train"), os.path.join(cfg.data.path, "eval")
-    _check_vocab(cfg, meta, train)
-    _check_eval_size(cfg, meta, held_out)
-    return Splits(train, held_out, meta["tokenizer"])
+    return Splits(train, held_out, meta["tokenizer"], kind=kind)
 
 
 def media_reading(cfg: Config, vision: Any) -> dict[str, int]:

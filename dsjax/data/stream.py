@@ -13,7 +13,9 @@ attention mask and RoPE use them), weights (float32; 0 where the target starts a
 Multimodal rows (`multimodal.pack`) add pixels [batch, max_images, size, size, 3] uint8 and
 image_mask [batch, max_images] bool (with tiling also feature_index [batch, seq_len] int32,
 aligned with the inputs), and their weights are also 0 where the target is an image
-placeholder, a frame separator or padding. Mixed streams (`mixture`) build on `SampleStream.over`.
+placeholder, a frame separator or padding. Chat and preference rows (`chat_source`) carry a
+target mask too, so their weights are 1 exactly on the assistant replies' tokens. Mixed streams
+(`mixture`) build on `SampleStream.over`.
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ from __future__ import annotations
 import numpy as np
 
 from dsjax.errors import DataError
+from dsjax.data.chat_source import SEQUENCES, ChatSource, split_format
 from dsjax.data.shards import PackedSource
+
+
+def open_split(split_dir: str, seq_len: int) -> PackedSource | ChatSource:
+    """The source a token split's meta.json format asks for: whole chat or preference examples
+    (`ChatSource`), or windows of a document stream (`PackedSource`)."""
+    if split_format(split_dir) in SEQUENCES:
+        return ChatSource(split_dir, seq_len)
+    return PackedSource(split_dir, seq_len)
 
 
 def make_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One packed row of seq_len + 1 tokens -> next-token example of seq_len positions.
 
-    A row with "target_mask" [seq_len + 1] (multimodal) also zeroes the weights where the target
-    is masked, and passes its "pixels" and "image_mask" through; a tiled row's "feature_index"
-    [seq_len + 1] is cut to the inputs' positions.
+    A row with "target_mask" [seq_len + 1] (multimodal, chat, preference) also zeroes the
+    weights where the target is masked; a multimodal row's "pixels" and "image_mask" pass
+    through, and a tiled row's "feature_index" [seq_len + 1] is cut to the inputs' positions.
     """
     tokens, seg = row["tokens"], row["segment_ids"]
     seq_len = tokens.shape[-1] - 1
@@ -65,7 +76,7 @@ def _examples(split_dir: str, seq_len: int, seed: int, process_index: int, proce
 
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-    source = PackedSource(split_dir, seq_len)
+    source = open_split(split_dir, seq_len)
     if len(source) < process_count:
         raise DataError(f"{split_dir}: {len(source)} rows of seq_len={seq_len} cannot feed "
                         f"{process_count} processes")
@@ -146,7 +157,7 @@ def eval_batches(split_dir: str, seq_len: int, batch: int, max_batches: int) -> 
     """The split's first rows in order, as up to `max_batches` full batches (deterministic)."""
     if batch < 1 or max_batches < 1:
         raise ValueError(f"batch and max_batches must be >= 1, got {batch}, {max_batches}")
-    source = PackedSource(split_dir, seq_len)
+    source = open_split(split_dir, seq_len)
     num_batches = min(max_batches, len(source) // batch)
     if num_batches == 0:
         raise DataError(f"{split_dir}: {len(source)} rows of seq_len={seq_len}, fewer than one "
