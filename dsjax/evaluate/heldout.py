@@ -1,4 +1,4 @@
-"""Held-out evaluation: loss, perplexity, bits per byte, and a greedy continuation of a prompt.
+"""Held-out evaluation: loss, perplexity, bits per byte, and a sampled continuation of a prompt.
 
 Bits per byte (byte tokenizer only) = total held-out NLL in bits / number of predicted byte
 tokens; the EOS predictions' NLL is counted in the numerator, so it is, if anything, pessimistic.
@@ -6,7 +6,6 @@ tokens; the EOS predictions' NLL is counted in the numerator, so it is, if anyth
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -20,6 +19,8 @@ from dsjax.config import Config
 from dsjax.data import eval_batches, load_tokenizer, mixed_eval_batches
 from dsjax.data.splits import Splits, media_reading, vl_root
 from dsjax.evaluate import grounding
+from dsjax.evaluate.generation import Generator
+from dsjax.evaluate.sampling import Sampling
 from dsjax.model.loss import ModelLoss
 
 BYTE_VOCAB = 256  # ids below this are raw bytes in the byte tokenizer
@@ -77,32 +78,17 @@ def _local(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
 
 
-def generate(trainer, params: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation. Recomputes the full window each token (no KV cache): fine for samples,
-    not a serving path. The prompt is replicated over the `data` axis so the batch divides it.
-
-    Multi-process: every process holds the same ids, so each fills its own devices' rows from its
-    copy (`make_array_from_callback`), and the next token comes back replicated, readable on all.
-    """
-    seq = trainer.cfg.data.seq_len
-    rows = sharding.data_size(trainer.mesh)
-    apply_fn = trainer.eval_model.apply
-    in_sharding = sharding.batch_sharding(trainer.mesh)
-
-    @functools.partial(jax.jit, out_shardings=sharding.replicated(trainer.mesh))
-    def next_token(params, tokens_BS, length):
-        logits = apply_fn({"params": params}, tokens_BS)
-        return jnp.argmax(logits[:, length - 1], axis=-1)
-
-    ids = list(prompt_ids)[-seq:]
-    with sharding.activate(trainer.mesh, trainer.rules):
-        for _ in range(num_tokens):
-            window = ids[-seq:]
-            buf = np.zeros((rows, seq), np.int32)
-            buf[:, :len(window)] = window
-            tokens = jax.make_array_from_callback(buf.shape, in_sharding, lambda index: buf[index])
-            ids.append(int(jax.device_get(next_token(params, tokens, len(window)))[0]))
-    return ids[len(prompt_ids):]
+def sample(trainer, params: Any, cfg: Config, tokenizer: Any) -> str:
+    """The prompt `train.sample_prompt` and its continuation of `train.sample_tokens` tokens,
+    decoded with the KV cache under the config's sampling (train.sample_*; seeded by
+    train.seed), ending early at the tokenizer's eos."""
+    t = cfg.train
+    generator = Generator(trainer.eval_model, trainer.mesh, trainer.rules,
+                          Sampling.from_config(t), t.sample_tokens,
+                          stop_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
+                          vocab_size=tokenizer.vocab_size)
+    prompt = [int(i) for i in tokenizer.encode(t.sample_prompt)]
+    return t.sample_prompt + tokenizer.decode(generator.generate(params, [prompt], t.seed)[0])
 
 
 def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workdir: str
@@ -113,9 +99,7 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
         results["eval_bits_per_byte"] = None  # only defined for the byte tokenizer
     tokenizer = load_tokenizer(splits.tokenizer)
     if cfg.train.sample_tokens:
-        prompt = [int(t) for t in tokenizer.encode(cfg.train.sample_prompt)]
-        out = generate(trainer, params, prompt, cfg.train.sample_tokens)
-        results["sample"] = cfg.train.sample_prompt + tokenizer.decode(out)
+        results["sample"] = sample(trainer, params, cfg, tokenizer)
     if cfg.data.source == "vl_corpus":
         results.update(grounding.report(trainer, params, vl_root(cfg, workdir), cfg))
     bpb = results["eval_bits_per_byte"]
@@ -123,6 +107,6 @@ def evaluate_and_report(trainer, params: Any, splits: Splits, cfg: Config, workd
            f"{results['eval_perplexity']:.3f}" + (f" | {bpb:.4f} bits/byte" if bpb else "") +
            f" | over {int(results['eval_tokens']):,} tokens")
     if "sample" in results:
-        mx.log("sample (greedy):\n" + results["sample"])
+        mx.log(f"sample ({Sampling.from_config(cfg.train).describe()}):\n" + results["sample"])
     mx.update_summary(workdir, results)
     return results

@@ -11,7 +11,9 @@ Einsum / shape-suffix legend used throughout `dsjax.model`:
   the tower D is its width, H its heads, K head dim, F MLP width.
 """
 
+from dsjax.model import decode, kv_cache
 from dsjax.model.decoder import Transformer, count_params
 from dsjax.model.loss import ModelLoss, weighted_cross_entropy
 
-__all__ = ["ModelLoss", "Transformer", "count_params", "weighted_cross_entropy"]
+__all__ = ["ModelLoss", "Transformer", "count_params", "decode", "kv_cache",
+           "weighted_cross_entropy"]

@@ -96,7 +96,8 @@ def attention_core(q_BSHK: jax.Array, k_BTNK: jax.Array, v_BTNU: jax.Array,
     """Causal, segment-masked attention -> context [B, S, H, U] in `dtype`. `impl` is concrete
     (`resolve_impl`); `block_q` / `block_k` tile flash. q_pe / k_pe: MLA's RoPE part (N = H)."""
     if impl == "xla":
-        return _xla(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale, dtype, q_pe_BSHP, k_pe_BTP)
+        return masked_attention(q_BSHK, k_BTNK, v_BTNU, attention_mask(segment_ids_BS),
+                                scale=scale, dtype=dtype, q_pe_BSHP=q_pe_BSHP, k_pe_BTP=k_pe_BTP)
     if q_pe_BSHP is not None:
         H = q_BSHK.shape[2]
         k_pe_BTHP = jnp.broadcast_to(k_pe_BTP[:, :, None, :], (*k_pe_BTP.shape[:2], H,
@@ -117,26 +118,35 @@ def attention_core(q_BSHK: jax.Array, k_BTNK: jax.Array, v_BTNU: jax.Array,
     return ctx_BSHU.astype(dtype)
 
 
-def _xla(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale, dtype, q_pe_BSHP, k_pe_BTP):
-    """The reference: float32 logits [B, H, S, T] (their backward dots in `dtype`: einsum_f32),
-    where(mask), softmax, PV in `dtype`."""
+def masked_attention(q_BSHK: jax.Array, k_BTNK: jax.Array, v_BTNU: jax.Array,
+                     mask_BST: jax.Array, *, scale: float, dtype: Any,
+                     q_pe_BSHP: jax.Array | None = None, k_pe_BTP: jax.Array | None = None
+                     ) -> jax.Array:
+    """The reference ("xla") under any mask [B, S, T] (training: `attention_mask`; decoding:
+    the cache's `kv_cache.readable`): float32 logits [B, H, S, T] (their backward dots in
+    `dtype`: einsum_f32), where(mask), softmax, PV in `dtype`."""
     B, S, H, K = q_BSHK.shape
-    N = k_BTNK.shape[2]
+    N, T = k_BTNK.shape[2], k_BTNK.shape[1]
     if q_pe_BSHP is None:
         q_BSNRK = q_BSHK.reshape(B, S, N, H // N, K)
         logits_BNRST = einsum_f32("BSNRK,BTNK->BNRST", q_BSNRK, k_BTNK)
-        logits_BHST = logits_BNRST.reshape(B, H, S, S)
+        logits_BHST = logits_BNRST.reshape(B, H, S, T)
     else:  # MLA (N = H): the shared RoPE key is its own contraction, never broadcast
         logits_BHST = (einsum_f32("BSHK,BTHK->BHST", q_BSHK, k_BTNK)
                        + einsum_f32("BSHP,BTP->BHST", q_pe_BSHP, k_pe_BTP))
-    logits_BHST = jnp.where(attention_mask(segment_ids_BS)[:, None], logits_BHST * scale,
-                            jnp.finfo(jnp.float32).min)
-    probs_BHST = jax.nn.softmax(logits_BHST, axis=-1).astype(dtype)
+    probs_BHST = masked_softmax(logits_BHST, mask_BST, scale, dtype)
     if q_pe_BSHP is not None:
         return jnp.einsum("BHST,BTHU->BSHU", probs_BHST, v_BTNU.astype(dtype))
-    probs_BNRST = probs_BHST.reshape(B, N, H // N, S, S)
+    probs_BNRST = probs_BHST.reshape(B, N, H // N, S, T)
     ctx_BSNRU = jnp.einsum("BNRST,BTNU->BSNRU", probs_BNRST, v_BTNU.astype(dtype))
     return ctx_BSNRU.reshape(B, S, H, -1)
+
+
+def masked_softmax(logits_BHST: jax.Array, mask_BST: jax.Array, scale: float, dtype: Any
+                   ) -> jax.Array:
+    """softmax(logits * scale) over the keys a query may attend to (float32), in `dtype`."""
+    logits_BHST = jnp.where(mask_BST[:, None], logits_BHST * scale, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits_BHST, axis=-1).astype(dtype)
 
 
 def _pad_last(x: jax.Array, size: int) -> jax.Array:

@@ -36,7 +36,8 @@ FP8_ON = "fp8_on"
 
 class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); shaped for `nn.scan`: returns (carry, MoE stats
-    {"load": [E], "balance": []} or None)."""
+    {"load": [E], "balance": []} or None). With a `cache` (decoding, dsjax.model.decode) also
+    the updated cache: (carry, stats, cache)."""
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -52,7 +53,7 @@ class DecoderBlock(nn.Module):
     attention_blocks: tuple[int, int] = (512, 512)  # flash (block_q, block_k)
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, cache=None):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
         core = AttentionCore(self.attention_impl, *self.attention_blocks)
         if self.mla:
@@ -61,9 +62,11 @@ class DecoderBlock(nn.Module):
         else:
             attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta,
                              self.init_std, self.dtype, self.fp8_policy, core, name="attn")
-        h_BSD = x_BSD + attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
-                             segment_ids_BS)
-        h_BSD = nn.with_logical_constraint(h_BSD, RESIDUAL)
+        attn_BSD = attn(RMSNorm(self.norm_eps, name="attn_norm")(x_BSD), positions_BS,
+                        segment_ids_BS, cache)
+        if cache is not None:
+            attn_BSD, cache = attn_BSD
+        h_BSD = nn.with_logical_constraint(x_BSD + attn_BSD, RESIDUAL)
         stats = None
         if self.moe:
             mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_policy=self.fp8_policy,
@@ -72,8 +75,8 @@ class DecoderBlock(nn.Module):
         else:
             mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, self.fp8_policy, name="mlp")
             mlp_BSD = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
-        out_BSD = h_BSD + mlp_BSD
-        return nn.with_logical_constraint(out_BSD, RESIDUAL), stats
+        out_BSD = nn.with_logical_constraint(h_BSD + mlp_BSD, RESIDUAL)
+        return (out_BSD, stats) if cache is None else (out_BSD, stats, cache)
 
 
 class Transformer(nn.Module):

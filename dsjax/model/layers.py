@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8
+from dsjax.model import kv_cache
 from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (re-export)
+from dsjax.model.attention import masked_attention
 
 Dtype = Any
 TOKENS = "n"  # the flattened B x S dim of a projection (`_project`)
@@ -141,7 +143,9 @@ class AttentionCore:
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query attention with a causal, segment-aware mask; no biases."""
+    """Multi-head / grouped-query attention with a causal, segment-aware mask; no biases. With a
+    `cache` ({"k", "v"} [B, T, N, K], dsjax.model.kv_cache) it decodes: writes this step's
+    rotated keys and values at their positions, attends over the cache, returns (out, cache)."""
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -152,8 +156,8 @@ class Attention(nn.Module):
     core: AttentionCore = AttentionCore()
 
     @nn.compact
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
-                 segment_ids_BS: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
+                 cache: dict[str, jax.Array] | None = None) -> Any:
         d_model = x_BSD.shape[-1]
         H, N, K = self.num_heads, self.num_kv_heads, self.head_dim
         w_q = _param(self, "q", (d_model, H, K), ("embed", "heads", "head_dim"), self.init_std)
@@ -170,6 +174,15 @@ class Attention(nn.Module):
         k_BTNK = checkpoint_name(apply_rope(k_BTNK, positions_BS, self.rope_theta), "k_proj")
         v_BTNK = checkpoint_name(v_BTNK, "v_proj")
 
+        if cache is not None:
+            cache = {name: nn.with_logical_constraint(kv_cache.write(cache[name], new,
+                                                                     positions_BS),
+                                                      kv_cache.GQA_AXES)
+                     for name, new in (("k", k_BTNK), ("v", v_BTNK))}
+            mask_BST = kv_cache.readable(positions_BS, cache["k"].shape[1])
+            ctx_BSHK = masked_attention(q_BSHK, cache["k"], cache["v"], mask_BST,
+                                        scale=K ** -0.5, dtype=self.dtype)
+            return _project(self, "o", "BSHK,HKD->BSD", ctx_BSHK, w_o), cache
         ctx_BSHK = self.core(q_BSHK, k_BTNK, v_BTNK, segment_ids_BS, scale=K ** -0.5,
                              dtype=self.dtype)
         ctx_BSHK = checkpoint_name(ctx_BSHK, "attn_context")

@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8
+from dsjax.model import kv_cache
+from dsjax.model.attention import masked_softmax
+from dsjax.model.dots import einsum_f32
 from dsjax.model.layers import AttentionCore, RMSNorm, _param, _project
 
 Dtype = Any
@@ -90,6 +93,9 @@ class MLA(nn.Module):
     Params: q ([D, H, A+P]) or q_a [D, Cq] -> q_norm -> q_b [Cq, H, A+P]; kv_a [D, C+P] (latent
     and shared k_pe, as HF's kv_a_proj_with_mqa); kv_norm; kv_b [C, H, A+U]; o [H, U, D].
     fp8: q_a/q_b/q run as fp8 when the policy names "q", kv_a/kv_b when it names "k", o with "o".
+    With a `cache` ({"latent" [B, T, C], "k_pe" [B, T, P]}, dsjax.model.kv_cache) it decodes as
+    DeepSeek-V2 §2.1.3 serves: kv_b's key part is absorbed into the query and its value part
+    into the output, so attention runs on the cached latents themselves; returns (out, cache).
     """
     num_heads: int
     q_lora_rank: int  # 0: plain q projection
@@ -112,8 +118,8 @@ class MLA(nn.Module):
     core: AttentionCore = AttentionCore()
 
     @nn.compact
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
-                 segment_ids_BS: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, segment_ids_BS: jax.Array,
+                 cache: dict[str, jax.Array] | None = None) -> Any:
         D = x_BSD.shape[-1]
         H, A, P, U = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         C, std = self.kv_lora_rank, self.init_std
@@ -137,9 +143,6 @@ class MLA(nn.Module):
         latent_BSC, k_pe_BSP = kv_BSc[..., :C], kv_BSc[..., C:]
         latent_BSC = checkpoint_name(RMSNorm(self.norm_eps, name="kv_norm")(latent_BSC),
                                      "kv_latent")
-        kv_BSHK = _project(self, "kv_b", "BSC,CHK->BSHK", latent_BSC, w_kvb)
-        k_nope_BTHA, v_BTHU = kv_BSHK[..., :A], kv_BSHK[..., A:]
-
         inv_freq, attention_factor = rope_frequencies(
             P, self.rope_theta, self.rope_scaling, self.rope_factor, self.rope_original_max_len,
             self.rope_beta_fast, self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
@@ -148,17 +151,41 @@ class MLA(nn.Module):
                                            attention_factor)
         k_pe_BT1P = apply_rope_interleaved(k_pe_BSP[:, :, None, :], positions_BS, inv_freq,
                                            attention_factor)
+        scale = (A + P) ** -0.5
+        if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
+            scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+        if cache is not None:
+            cache = {name: nn.with_logical_constraint(kv_cache.write(cache[name], new,
+                                                                     positions_BS),
+                                                      kv_cache.MLA_AXES)
+                     for name, new in (("latent", latent_BSC), ("k_pe", k_pe_BT1P[:, :, 0]))}
+            ctx_BSHU = self._absorbed(q_nope_BSHA, q_pe_BSHP, cache, positions_BS, w_kvb, scale)
+            return _project(self, "o", "BSHU,HUD->BSD", ctx_BSHU, w_o), cache
+
+        kv_BSHK = _project(self, "kv_b", "BSC,CHK->BSHK", latent_BSC, w_kvb)
+        k_nope_BTHA, v_BTHU = kv_BSHK[..., :A], kv_BSHK[..., A:]
         # Tags name what remat policies may save (see dsjax/remat.py).
         q_nope_BSHA = checkpoint_name(q_nope_BSHA, "q_proj")
         q_pe_BSHP = checkpoint_name(q_pe_BSHP, "q_proj")
         k_nope_BTHA = checkpoint_name(k_nope_BTHA, "k_proj")
         v_BTHU = checkpoint_name(v_BTHU, "v_proj")
 
-        scale = (A + P) ** -0.5
-        if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:
-            scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
         # [q_nope | q_pe] . [k_nope | k_pe]: the shared k_pe goes in on its own (attention.py)
         ctx_BSHU = self.core(q_nope_BSHA, k_nope_BTHA, v_BTHU, segment_ids_BS, scale=scale,
                              dtype=self.dtype, q_pe_BSHP=q_pe_BSHP, k_pe_BTP=k_pe_BT1P[:, :, 0])
         ctx_BSHU = checkpoint_name(ctx_BSHU, "attn_context")
         return checkpoint_name(_project(self, "o", "BSHU,HUD->BSD", ctx_BSHU, w_o), "attn_out")
+
+    def _absorbed(self, q_nope_BSHA, q_pe_BSHP, cache, positions_BS, w_kvb, scale):
+        """Attention on the cached latents: q_nope . k_nope = (q_nope W_uk) . latent and
+        probs . v = (probs . latent) W_uv, with W_uk, W_uv the key and value parts of kv_b
+        [C, H, A + U]; logits float32 as in training (attention.masked_attention)."""
+        A = self.qk_nope_head_dim
+        w_kvb = w_kvb.astype(self.dtype)
+        q_BSHC = jnp.einsum("BSHA,CHA->BSHC", q_nope_BSHA.astype(self.dtype), w_kvb[..., :A])
+        logits_BHST = (einsum_f32("BSHC,BTC->BHST", q_BSHC, cache["latent"])
+                       + einsum_f32("BSHP,BTP->BHST", q_pe_BSHP, cache["k_pe"]))
+        mask_BST = kv_cache.readable(positions_BS, cache["latent"].shape[1])
+        probs_BHST = masked_softmax(logits_BHST, mask_BST, scale, self.dtype)
+        ctx_BSHC = jnp.einsum("BHST,BTC->BSHC", probs_BHST, cache["latent"].astype(self.dtype))
+        return jnp.einsum("BSHC,CHU->BSHU", ctx_BSHC, w_kvb[..., A:])
