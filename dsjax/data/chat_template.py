@@ -25,6 +25,7 @@ import re
 from typing import Sequence
 
 import jinja2
+import jinja2.ext
 import numpy as np
 from jinja2 import sandbox
 
@@ -52,12 +53,25 @@ _TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", 
                "mask_token")
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, Hugging Face's marker of assistant text, renders
+    its body unchanged: the mask here comes from the rendered prefixes, so templates that carry
+    the marker and templates that do not are read alike."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment() -> sandbox.ImmutableSandboxedEnvironment:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
     env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+                                                extensions=["jinja2.ext.loopcontrols",
+                                                            _GenerationBlock])
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
                                                                   indent=indent)
