@@ -68,7 +68,23 @@ def compositions(cfg: Config) -> None:
                           f"group; freezing some ({cfg.train.trainable!r}) needs "
                           f"optim.name='adamw' (stage 1 of a vision-language run is short)")
 
-    # Recomputation.
+    # Preference training (DPO, docs/posttraining.md).
+    if cfg.train.task == "dpo":
+        if not cfg.checkpoint.init_from:
+            # The reference is the starting policy: from random weights both policies are noise
+            # and the implicit rewards measure nothing.
+            raise ConfigError("checkpoint.init_from: train.task='dpo' trains against the frozen "
+                              "weights it starts from; name a pretrained or SFT checkpoint "
+                              "(DPO from random weights is meaningless)")
+        if S > 1:
+            raise ConfigError("mesh.pipeline: train.task='dpo' needs the unpipelined model (the "
+                              "schedules compute the token loss inside their last stage, not "
+                              "per-sequence log-probs and a reference pass); set mesh.pipeline=1")
+        if o.name == "onebit_adam":
+            raise ConfigError("optim.name: train.task='dpo' runs on the adamw step (1-bit Adam's "
+                              "step differentiates inside its own shard_map, with no reference "
+                              "pass); use optim.name='adamw'")
+
     if cfg.remat.policy == "auto" and cfg.remat.layers != "all":
         raise ConfigError("remat.layers: 'auto' chooses the layer pattern too; leave "
                           "remat.layers at 'all'")

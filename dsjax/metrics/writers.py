@@ -63,6 +63,9 @@ class MetricsWriter:
                 f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | "
                 f"{record['tokens_per_sec']:,.0f} tok/s | {record['step_ms']:.0f} ms/step | "
                 f"MFU {100 * record['mfu']:.1f}%")
+        if "dpo_reward_accuracy" in record:  # train.task='dpo'
+            line += (f" | reward acc {record['dpo_reward_accuracy']:.2f} margin "
+                     f"{record['dpo_reward_margin']:.3f}")
         if eta_s is not None:
             line += f" | ETA {format_duration(eta_s)}"
         if self._live is None:

@@ -179,8 +179,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     if data_state is not None:
         batcher.set_state(data_state)  # the cursor, and the batch-size controller
     if start is None and cfg.checkpoint.init_from:
-        params = ckpt.restore_params(cfg.checkpoint.init_from, state.params, cfg.model)
-        state = state.replace(params=params)
+        state = resume_lib.with_initial_weights(state, cfg.checkpoint.init_from, cfg.model)
         mx.log(f"initialised weights from {cfg.checkpoint.init_from}")
     start = start or 0
     batcher.step = start

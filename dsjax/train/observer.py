@@ -11,6 +11,7 @@ import numpy as np
 
 from dsjax import metrics as mx
 from dsjax.metrics import trace
+from dsjax.model.preference import METRICS as DPO_METRICS
 from dsjax.train.step import TrainState
 from dsjax.train.trainer import Trainer
 
@@ -88,7 +89,7 @@ class Observer:
         """The metrics.jsonl record of `step` (1-based) from its host metrics `m`: throughput
         and MFU at the typical step time `typical_s`, the batcher's `batch_fields`, this
         observer's readings, energy since the last record (`samples`, `tokens`: totals so far),
-        cost, 1-bit Adam's phase, MoE loads and images per second."""
+        cost, 1-bit Adam's phase, MoE loads, images per second and DPO's reward statistics."""
         tps = m["batch_size"] * self.seq_len / typical_s
         record = {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]),
                   "grad_norm": float(m["grad_norm"]), "tokens_per_sec": tps,
@@ -105,6 +106,7 @@ class Observer:
         if "onebit_compressed" in m:
             record["onebit_compressed"] = int(m["onebit_compressed"])
         record.update(moe_record(m))
+        record.update({k: float(m[k]) for k in DPO_METRICS if k in m})  # train.task='dpo'
         if "images" in m:  # images and video frames the step read
             record["images_per_sec"] = float(m["images"]) / typical_s
         return record

@@ -30,7 +30,7 @@ Path = tuple[str, ...]
 FIELDS = {"optimizer": "optim.name", "compute_dtype": "train.compute_dtype",
           "fp8_recipe": "fp8.recipe", "fp8_history_len": "fp8.history_len",
           "batch_policy": "batch.policy", "data_source": "data.source", "data_path": "data.path",
-          "data_mix": "data.mix", "data_tokenizer": "data.tokenizer"}
+          "data_mix": "data.mix", "data_tokenizer": "data.tokenizer", "task": "train.task"}
 # What the data cursor counts through: a checkpoint trained on other data does not continue.
 DATA_KEYS = ("data_source", "data_path", "data_mix", "data_tokenizer")
 
@@ -43,7 +43,7 @@ def train_layout(cfg: Config) -> dict[str, Any]:
             "fp8_recipe": cfg.fp8.recipe, "fp8_history_len": cfg.fp8.history_len,
             "batch_policy": cfg.batch.policy, "data_source": cfg.data.source,
             "data_path": cfg.data.path, "data_mix": cfg.data.mix,
-            "data_tokenizer": cfg.data.tokenizer}
+            "data_tokenizer": cfg.data.tokenizer, "task": cfg.train.task}
 
 
 def check_same_data(saved: dict | None, here: dict | None, where: str, directory: str) -> None:
@@ -59,12 +59,27 @@ def check_same_data(saved: dict | None, here: dict | None, where: str, directory
 
 
 def train_extras(state: TrainState) -> dict[str, Any]:
-    """Everything besides params that defines the run's future, as checkpointed. 1-bit Adam's
-    error buffers are left out: they are checkpointed apart (see `onebit_errors`)."""
+    """Everything besides params that defines the run's future, as checkpointed: DPO's
+    reference params too (so a resume trains against the run's own start, whatever
+    checkpoint.init_from holds by then). 1-bit Adam's error buffers are left out: they are
+    checkpointed apart (see `onebit_errors`)."""
     opt_state = state.opt_state
     if isinstance(opt_state, OneBitAdamState):
         opt_state = opt_state._replace(worker_error={}, server_error={})
-    return {"opt_state": opt_state, "loss_scale": state.loss_scale, "fp8_meta": state.fp8_meta}
+    extras = {"opt_state": opt_state, "loss_scale": state.loss_scale, "fp8_meta": state.fp8_meta}
+    if state.ref_params is not None:
+        extras["ref_params"] = state.ref_params
+    return extras
+
+
+def with_initial_weights(state: TrainState, directory: str, model_cfg: Any) -> TrainState:
+    """A fresh run's `state` with the weights of checkpoint.init_from (`directory`); for DPO
+    the reference too: a frozen copy (its own buffers, as the step donates both)."""
+    params = ckpt.restore_params(directory, state.params, model_cfg)
+    state = state.replace(params=params)
+    if state.ref_params is not None:
+        state = state.replace(ref_params=jax.tree.map(jnp.copy, params))
+    return state
 
 
 def onebit_errors(state: TrainState) -> dict[str, Any] | None:
@@ -160,6 +175,9 @@ def continuation(saved: dict[Path, Any], here: dict[Path, Any], saved_layout: di
             why = changed(saved_layout, layout, fp8_fields) or "the fp8 settings changed"
             notes.append(f"fp8_meta starts fresh: {why} (amax histories start empty)" if new else
                          f"its fp8_meta is not used: {why} (this run keeps no amax history)")
+        elif part == "ref_params":  # only DPO keeps one: a checkpoint of another task has none
+            raise ckpt.mismatch(where, directory, problem,
+                                changed(saved_layout, layout, ("task",)) or "train.task changed")
         elif part == "opt_state" and changed(saved_layout, layout, ("optimizer",)):
             moments = moment_sources(old, new)
             sources.update(moments or {})

@@ -19,6 +19,8 @@ from dsjax.batching import accumulate, scale_updates
 from dsjax.config.sections import TRAINABLE_GROUPS
 from dsjax.model import moe
 from dsjax.model.loss import objective_value, weigh_aux
+from dsjax.model.preference import METRICS as DPO_METRICS
+from dsjax.model.preference import PreferenceLoss, pair_count
 from dsjax.optim import OneBitAdam
 from dsjax.optim import loss_scale as ls
 from dsjax.optim.groups import stop_frozen
@@ -39,6 +41,8 @@ class TrainState:
                             # routers: aux-loss-free bias step after each step (DeepSeek-V3)
     trainable: tuple[str, ...] = struct.field(pytree_node=False, default=TRAINABLE_GROUPS)
                             # parameter groups that learn (train.trainable, dsjax.optim.groups)
+    ref_params: Any = None  # train.task='dpo': the frozen reference policy, the run's starting
+                            # params (never updated, no optimizer state); None otherwise
 
 
 def finite_by_group(grads: Any) -> dict[str, jax.Array]:
@@ -78,10 +82,20 @@ def finish_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float,
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": state.lr_fn(state.step) * lr_scale,
                "finite": finite, "tokens": tokens, "loss_scale": state.loss_scale.scale,
                "skipped_steps": new_state.loss_scale.skipped_steps,
-               "grad_finite": finite_by_group(grads), **moe.load_metrics(aux)}
+               "grad_finite": finite_by_group(grads), **moe.load_metrics(aux),
+               **{k: aux[k] for k in DPO_METRICS if k in aux}}
     if "image_mask" in batch:  # images and video frames in a vision-language batch
         metrics["images"] = jnp.sum(batch["image_mask"])
     return new_state, metrics
+
+
+def batch_count(objective: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """What the objective's loss is a mean over, in the whole batch (every micro-batch): the
+    preference pairs for DPO, else the weighted target tokens. Each micro-batch's share of the
+    batch's mean is its own count over this."""
+    if isinstance(objective, PreferenceLoss):
+        return jnp.maximum(pair_count(batch["segment_ids"]), 1.0)
+    return jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float = 1.0
@@ -91,16 +105,20 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float =
     and reports `finite = False`; the host decides whether to stop (train.nonfinite).
     `batch`: [B, S] arrays, or [k, B/k, S]: k micro-batches whose gradients are accumulated
     (dsjax.batching), the same update as one [B, S] batch. `lr_scale` multiplies the learning
-    rate (bound per batch size by dsjax.batching)."""
+    rate (bound per batch size by dsjax.batching). DPO (`state.ref_params` set): each
+    micro-batch's reference log-probs are computed first, from the frozen reference params."""
     accumulating = batch["inputs"].ndim == 3
-    count = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    count = batch_count(state.objective, batch)
 
     def micro_grads(micro):
+        if state.ref_params is not None:  # DPO: the reference's log-probs, outside the gradient
+            micro = state.objective.with_reference(state.ref_params, micro, state.fp8_meta)
+
         def scaled_loss(params, fp8_meta):
             loss, tokens, aux = state.objective.loss_and_aux(
                 stop_frozen(params, state.trainable), micro, fp8_meta, state.loss_scale.scale)
             if accumulating:  # this micro-batch's share of the whole batch's mean loss
-                share = tokens / count
+                share = tokens / count  # (DPO: `tokens` counts its pairs)
                 loss, aux = loss * share, weigh_aux(aux, share)
             return (ls.scale_loss(state.loss_scale, objective_value(loss, aux)),
                     (loss, tokens, aux))

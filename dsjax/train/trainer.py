@@ -25,6 +25,7 @@ from dsjax.errors import ConfigError
 from dsjax.model import ModelLoss, Transformer, count_params
 from dsjax.model.build import make_model
 from dsjax.model.batch import BATCH_KEYS, media_layout
+from dsjax.model.preference import PreferenceLoss
 from dsjax.optim import OneBitAdam, make_optimizer
 from dsjax.optim import loss_scale as ls
 from dsjax.train.onebit_step import onebit_init_and_phases
@@ -178,8 +179,13 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     # nested in 1-bit Adam's gradient shard_map (the schedule types its values over `pipeline`
     # alone; inside, they also vary over `data`).
     typed = cfg.train.compute_dtype != "fp8" and not (onebit and cfg.mesh.pipeline > 1)
-    objective = (pipeline.make(model, cfg.pipeline, cfg.mesh.pipeline, typed=typed)
-                 if cfg.mesh.pipeline > 1 else ModelLoss(model))
+    # train.task='dpo': preference pairs against a frozen copy of the starting params, which the
+    # state keeps beside the params (dsjax/model/preference.py).
+    dpo = cfg.train.task == "dpo"
+    if cfg.mesh.pipeline > 1:
+        objective = pipeline.make(model, cfg.pipeline, cfg.mesh.pipeline, typed=typed)
+    else:
+        objective = PreferenceLoss(model, cfg.train.dpo_beta) if dpo else ModelLoss(model)
 
     def init_boxed(rng):
         variables = model.init(rng, dummy)
@@ -192,7 +198,7 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
                           fp8_margin=model.fp8_policy.margin if model.fp8_policy else 0.0,
                           router_bias_speed=(cfg.model.bias_update_speed
                                              if cfg.model.scoring == "sigmoid" else 0.0),
-                          trainable=trainable)
+                          trainable=trainable, ref_params=params if dpo else None)
 
     # Optimizer moments mirror the boxed params, so they inherit the same logical axis names.
     abstract = jax.eval_shape(init_boxed, jax.random.key(0))
