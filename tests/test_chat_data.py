@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import FLAT_MESH, file_digests
-from dsjax.data import ByteTokenizer, ChatSource, DataError, eval_batches, load_tokenizer
-from dsjax.data import make_example
+from dsjax.data import (ByteTokenizer, ChatSource, DataError, SampleStream, eval_batches,
+                        load_tokenizer, make_example)
 from dsjax.data.chat_prepare import prepare_chat
 from dsjax.data.chat_template import BYTE_EOS, ChatTemplate, encode_chat, prompt_ids
 from dsjax.data.prepare import main as prepare_main
@@ -28,6 +28,17 @@ HF_TEMPLATE = (
     "{% else %}{{ 'Assistant: ' }}{% generation %}{{ message['content'] + eos_token }}"
     "{% endgeneration %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+# ChatML, reading messages[0] (so it cannot render an empty conversation), eos <|im_end|>, and a
+# newline after each turn that is not the reply's.
+CHATML_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"},
@@ -55,7 +66,8 @@ def _hf_tokenizer_dir(path, config):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=400,
+                                  special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = ["User: Hello there", "Assistant: Hello! How are you?", "What is two plus two?",
              "Assistant: Four.", "And three plus three? Six, of course."] * 20
@@ -66,14 +78,16 @@ def _hf_tokenizer_dir(path, config):
     return str(path)
 
 
-def test_mask_matches_transformers(tmp_path):
+@pytest.mark.parametrize("chat_template,eos,straddling", [(HF_TEMPLATE, "</s>", 1),
+                                                          (CHATML_TEMPLATE, "<|im_end|>", 0)])
+def test_mask_matches_transformers(tmp_path, chat_template, eos, straddling):
     """ids and mask equal transformers' apply_chat_template(return_assistant_tokens_mask=True)
     on the same tokenizer and template, including tokens that join the header's space to the
     reply's first word (both count them as reply)."""
     from transformers import AutoTokenizer
     folder = _hf_tokenizer_dir(tmp_path / "tok", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": HF_TEMPLATE})
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": eos,
+        "chat_template": chat_template})
     hf = AutoTokenizer.from_pretrained(folder)
     template, tokenizer = ChatTemplate.for_tokenizer(folder), load_tokenizer(folder)
     straddles = 0
@@ -87,7 +101,8 @@ def test_mask_matches_transformers(tmp_path):
         gen = hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
                                      return_dict=True)
         assert prompt_ids(template, tokenizer, messages[:-1]).tolist() == list(gen["input_ids"])
-    assert straddles == 1  # the case where a char-inside-the-reply rule would differ
+    # The case where a characters-inside-the-reply rule would differ.
+    assert straddles == straddling
 
 
 def test_byte_template_renders_deepseek_chat():
@@ -350,6 +365,9 @@ def test_cli(tmp_path, capsys):
     # its reply's 3 tokens.
     batch = eval_batches(str(out / "eval"), 32, 1, 1)[0]
     assert batch["weights"].tolist() == [[0.0] * 20 + [1.0] * 3 + [0.0] * 9]
+    # So does the training stream.
+    taken = SampleStream(str(out / "train"), 32, seed=0, prefetch=0).take(2)
+    assert taken["weights"].tolist() == [[0.0] * 20 + [1.0] * 3 + [0.0] * 9] * 2
 
 
 def _config(path, task, **more):

@@ -18,6 +18,7 @@ what the model emits after the generation prompt.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -73,6 +74,8 @@ def _environment() -> sandbox.ImmutableSandboxedEnvironment:
                                                 extensions=["jinja2.ext.loopcontrols",
                                                             _GenerationBlock])
     env.globals["raise_exception"] = raise_exception
+    # Llama 3 templates date their system header with it.
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
                                                                   indent=indent)
     return env
@@ -178,7 +181,8 @@ class ChatTemplate:
                     ) -> tuple[str, list[tuple[int, int]]]:
         """The rendering and the [start, end) characters of each assistant reply in it (its
         content and the eos right after it); only the last message's with `last_only`."""
-        rendered, spans = self.render([]), []
+        # Not render([]): many templates read messages[0] unconditionally.
+        rendered, spans = "", []
         for k, message in enumerate(messages):
             longer = self.render(messages[:k + 1])
             if not longer.startswith(rendered):
