@@ -281,7 +281,11 @@ def test_dpo_training_raises_reward_accuracy_and_resume_keeps_the_reference(dpo_
 
     # The record and the console line.
     host_m = {**history[-1], "batch_size": 8}
-    record = Observer(trainer, str(tmp_path)).record(host_m, 8, 0.1, {}, 64, 64 * S_TRAIN)
+    observer = Observer(trainer, str(tmp_path))
+    record = observer.record(host_m, 8, 0.1, {}, 64, 64 * S_TRAIN)
+    # MFU counts the reference's forward: 4 passes' FLOPs per token where pretraining has 3.
+    pretraining = Observer(s["pre"], str(tmp_path)).flops_per_token
+    assert observer.flops_per_token == pytest.approx(4 / 3 * pretraining, rel=1e-12)
     assert {k: record[k] for k in METRICS} == {k: float(history[-1][k]) for k in METRICS}
     writer = MetricsWriter(str(tmp_path), 8, tensorboard=False, live=False)
     writer.write(record)

@@ -3,6 +3,7 @@ beside them memory, device utilisation, communication share, energy per sample, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -46,6 +47,10 @@ class Observer:
         self.cost_per_gpu_hour = cfg.metrics.cost_per_gpu_hour
         # MFU: model FLOPs per token over the devices' peak (datasheet, or measured on CPU).
         self.flops_per_token = mx.flops_per_token(cfg.model, cfg.data.seq_len, cfg.vision)
+        if cfg.train.task == "dpo":  # no MTP modules run, and the reference's forward pass
+            # adds a third to the policy's forward + backward (dsjax/model/preference.py)
+            self.flops_per_token = 4 / 3 * mx.flops_per_token(
+                dataclasses.replace(cfg.model, num_mtp_layers=0), cfg.data.seq_len, cfg.vision)
         peak, self.peak_source = mx.peak_flops_per_device(cfg.metrics.peak_flops_per_device)
         self.peak_total = peak * jax.device_count()
         self.every = trainer.cfg.metrics.profile_every
