@@ -1,0 +1,5 @@
+import sys
+
+from dsjax.generate.cli import main
+
+sys.exit(main())
