@@ -113,6 +113,12 @@ SMOKE = {
                         "attention.json", {"rows", "backend", "dims", *LOAD_KEYS},
                         {"impl", "seq_len", "attention", "temp_bytes", "max_abs_diff",
                          "grad_max_abs_diff", "ms"}),
+    "decode_speed": ("decode_speed", ["--config", "configs/cpu_tiny.py", *TINY_SET,
+                                      "--new_tokens", "8", "--rounds", "1", "--out",
+                                      "{out}/decode.json"],
+                     "decode.json", {"rows", "speedup", "new_tokens", "prompt_len", "model",
+                                     *LOAD_KEYS},
+                     {"side", "seconds", "tokens_per_sec", "compile_s"}),
     "fp8_hlo": ("fp8_hlo", ["--config", "configs/h100_fp8.py:smoke", "--out", "{out}/fp8.json"],
                 "fp8.json", {"config", "fp8_dots", "expected_fp8_dots", "high_precision_dots",
                              "fp8_gemm_shapes", "upcast_gemm_inputs",
@@ -162,6 +168,8 @@ DOCUMENTED = {
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
     "python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json":
         "attention_table",
+    "python benchmarks/decode_speed.py --config configs/cpu_tiny.py --new_tokens 256 "
+    "--out benchmarks/results/decode_speed_cpu.json": "decode_speed",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke": "fp8_hlo",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke "
     "--out benchmarks/results/fp8_hlo_smoke.json": "fp8_hlo",
@@ -237,9 +245,15 @@ def test_every_documented_command_has_a_smoke_run():
 @pytest.mark.parametrize("name", ["step_time", "compare_overrides", "pipeline_table",
                                   "pipeline_table_flags", "remat_table",
                                   "remat_table_baseline", "comm_bytes",
-                                  "comm_bytes_smoke", "fp8_hlo", "attention_table"])
+                                  "comm_bytes_smoke", "fp8_hlo", "attention_table",
+                                  "decode_speed"])
 def test_documented_command(name, tmp_path):
     printed, result = run_smoke(name, tmp_path)
+    if name == "decode_speed":
+        cached, recompute = result["rows"]
+        assert (cached["side"], recompute["side"]) == ("cached", "recompute")
+        assert result["speedup"] == pytest.approx(recompute["seconds"] / cached["seconds"])
+        assert "cached is" in printed
     if name == "step_time":
         assert [r["config"] for r in result["rows"]] == ["configs/h100_bf16.py",
                                                          "configs/h100_fp8.py"]

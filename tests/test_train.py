@@ -65,7 +65,8 @@ def test_run_directory_contract(finished_run):
         blob = f.read()
     for key in METRIC_KEYS - {"step"}:
         assert f"train/{key}".encode() in blob, key
-    assert "held-out: loss" in stdout and "sample (greedy):" in stdout
+    # the default sampling (train.sample_*), named on the sample line
+    assert "held-out: loss" in stdout and "sample (temperature 0.8, top-p 0.9):" in stdout
     assert "ETA" in stdout
 
 
