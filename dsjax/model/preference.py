@@ -120,6 +120,14 @@ class PreferenceLoss:
         logp_BS = token_logps(x_BSD, head_DV, batch["targets"], dtype=self.model.dtype,
                               chunk=self.model.cfg.loss_chunk)
         aux = {key: values[0] for key, values in sown.get(AUX, {}).items()}  # sow keeps tuples
+        cfg = self.model.cfg
+        if "moe_load" in aux and cfg.num_mtp_layers:
+            # The MTP modules' MoE blocks route nothing here; the step's router-bias update
+            # reads one row of loads per MoE layer, theirs included (moe.BIAS_STACKS). Zero
+            # loads are even: their biases stay.
+            idle_LE = jnp.zeros((cfg.num_mtp_layers, aux["moe_load"].shape[-1]),
+                                aux["moe_load"].dtype)
+            aux["moe_load"] = jnp.concatenate([aux["moe_load"], idle_LE])
         return pair_logps(logp_BS, batch["weights"], batch["segment_ids"]), aux
 
     def with_reference(self, ref_params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None
