@@ -153,6 +153,12 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"vision.tiling": True}, "vision.tiling"),  # a text model has nothing to tile
     ({"vision.tower": "siglip", "vision.tiling": True, "vision.max_images": 1},
      "vision.max_images"),  # a tiled image is a global view and at least one tile
+    ({"posttrain.recipe": "sft"}, "posttrain.recipe"),
+    ({"posttrain.recipe": "pretrain,sft,dpo", "train.task": "sft"}, "train.task"),
+    # DPO does not pipeline, and cpu_tiny's mesh does: the recipe's dpo stage fails at load.
+    ({"posttrain.recipe": "pretrain,sft,dpo"}, "mesh.pipeline"),
+    ({"posttrain.dpo_lr": 0.0}, "posttrain.dpo_lr"),
+    ({"data.source": "arithmetic"}, "data.source"),  # a chat task, and cpu_tiny pretrains
     ({"vision.tower": "siglip", "vision.tiling": True, "vision.max_tiles": 0}, "vision.max_tiles"),
 ])
 def test_invalid_values_name_the_field(overrides, field):

@@ -10,14 +10,14 @@ from dsjax.config.load import (CommandLine, check_command_line, default_workdir,
                                from_config_dict, load, read_file, run_name)
 from dsjax.config.sections import (SECTIONS, BatchConfig, CheckpointConfig, Config, DataConfig,
                                    FP8Config, MeshConfig, MetricsConfig, ModelConfig, OptimConfig,
-                                   PipelineConfig, RematConfig, TrainConfig, VisionConfig,
-                                   trainable_groups)
+                                   PipelineConfig, PosttrainConfig, RematConfig, TrainConfig,
+                                   VisionConfig, trainable_groups)
 from dsjax.config.validate import mix_weights, validate, validate_deepseek
 from dsjax.errors import ConfigError
 
 __all__ = ["BatchConfig", "CheckpointConfig", "CommandLine", "Config", "ConfigError", "DataConfig",
            "FP8Config", "MeshConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
-           "PipelineConfig", "RematConfig", "SECTIONS", "TrainConfig", "check_command_line",
-           "compositions", "default_workdir", "defaults", "from_config_dict", "load", "read_file",
-           "run_name", "VisionConfig", "mix_weights", "trainable_groups", "validate",
-           "validate_deepseek", "warnings"]
+           "PipelineConfig", "PosttrainConfig", "RematConfig", "SECTIONS", "TrainConfig",
+           "check_command_line", "compositions", "default_workdir", "defaults",
+           "from_config_dict", "load", "read_file", "run_name", "VisionConfig", "mix_weights",
+           "trainable_groups", "validate", "validate_deepseek", "warnings"]

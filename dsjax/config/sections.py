@@ -328,6 +328,22 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PosttrainConfig:
+    # A staged recipe (dsjax/posttrain): each stage a run of its own under WORKDIR/<stage>,
+    # started from the previous stage's weights, with exact match on held-out chat prompts
+    # before SFT, after SFT and after DPO. "" = one run of train.task.
+    recipe: str = ""  # "" | pretrain,sft,dpo (config/stages.py)
+    start_from: str = ""  # a pretrained run of this model to skip the pretrain stage with, used
+                          # when it holds a checkpoint (e.g. runs/cpu_tiny); "" = always pretrain
+    pretrain_steps: int = 100  # pretrain stage: steps on data.source (the model's first text)
+    sft_steps: int = 300  # sft stage: steps on the built-in arithmetic chat task
+    sft_lr: float = 1e-3  # sft stage: peak learning rate
+    dpo_steps: int = 60  # dpo stage: steps on its preference pairs
+    dpo_lr: float = 1e-5  # dpo stage: peak learning rate
+    eval_prompts: int = 100  # held-out prompts scored by exact match after each stage
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str
     model: ModelConfig
@@ -342,6 +358,7 @@ class Config:
     checkpoint: CheckpointConfig
     metrics: MetricsConfig
     vision: VisionConfig
+    posttrain: PosttrainConfig
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

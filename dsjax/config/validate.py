@@ -16,6 +16,7 @@ from dsjax.config.compositions import compositions
 from dsjax.config.sections import (PIPELINE_SCHEDULES, PROJECTORS, VISION_TOWERS, Config,
                                    ModelConfig, chunks_per_stage, global_view_tokens,
                                    trainable_groups, view_side)
+from dsjax.config.stages import RECIPE_STAGES, stage_config
 from dsjax.errors import ConfigError, one_of
 from dsjax.runtime import xla_flags
 
@@ -27,7 +28,8 @@ NONFINITE_POLICIES = ("stop", "skip")
 TRAIN_TASKS = ("pretrain", "sft", "dpo")  # docs/posttraining.md
 OPTIMIZERS = ("adamw", "onebit_adam")
 ONEBIT_COMPRESS = ("update", "momentum")  # 1-bit Adam: m / (sqrt(v) + eps), or m (DeepSpeed)
-DATA_SOURCES = ("stdlib", "prepared", "vl_corpus")
+# arithmetic: the built-in chat task of post-training (dsjax/data/arithmetic_chat.py)
+DATA_SOURCES = ("stdlib", "prepared", "vl_corpus", "arithmetic")
 BATCH_POLICIES = ("fixed", "ramp", "adaptive")
 LR_SCALINGS = ("none", "linear", "sqrt")
 ATTENTION_KINDS = ("mha", "mla")
@@ -48,6 +50,14 @@ def _bounds(section: str, values: object, positive: str = "", non_negative: str 
 
 def validate(cfg: Config) -> None:
     """Every config check but the one that needs the devices (`sharding.check_device_count`)."""
+    _validate_settings(cfg)
+    if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
+        raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
+    validate_posttrain(cfg)
+
+
+def _validate_settings(cfg: Config) -> None:
+    """validate's checks of the values and how they combine (no paths, no recipe stages)."""
     validate_model(cfg)
     validate_mesh(cfg)
     validate_data(cfg)
@@ -59,8 +69,6 @@ def validate(cfg: Config) -> None:
     validate_batch(cfg)
     validate_vision(cfg)
     _bounds("checkpoint", cfg.checkpoint, positive="keep", non_negative="every")
-    if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
-        raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
     _bounds("metrics", cfg.metrics,
             non_negative="peak_flops_per_device profile_every cost_per_gpu_hour")
     compositions(cfg)
@@ -158,6 +166,9 @@ def validate_data(cfg: Config) -> None:
     if d.source == "prepared" and not d.path:
         raise ConfigError("data.path: required when data.source='prepared' (a directory written by "
                           "`python -m dsjax.data.prepare`)")
+    if d.source == "arithmetic" and cfg.train.task == "pretrain":
+        raise ConfigError("data.source: 'arithmetic' is a chat task (conversations for "
+                          "train.task='sft', preference pairs for 'dpo'), not pretraining text")
     if d.global_batch % cfg.mesh.data:
         raise ConfigError(f"data.global_batch: {d.global_batch} is not divisible by mesh.data "
                           f"{cfg.mesh.data}")
@@ -204,6 +215,27 @@ def mix_weights(mix: str) -> dict[str, float]:
                               f"weight > 0 (e.g. 'text:0.5,image:0.3,video:0.2')")
         weights[name] = value
     return weights
+
+
+def validate_posttrain(cfg: Config) -> None:
+    """The recipe's own values, then each stage's config (config/stages.py) as it will train."""
+    p = cfg.posttrain
+    one_of("posttrain.recipe", p.recipe, ("",) + tuple(RECIPE_STAGES), "recipe")
+    _bounds("posttrain", p, positive="pretrain_steps sft_steps sft_lr dpo_steps dpo_lr "
+            "eval_prompts")
+    if not p.recipe:
+        return
+    if cfg.train.task != "pretrain":
+        raise ConfigError(f"train.task: {cfg.train.task!r}, but posttrain.recipe={p.recipe!r} "
+                          f"sets each stage's task itself; leave train.task='pretrain'")
+    if cfg.data.source not in ("stdlib", "prepared"):
+        raise ConfigError(f"data.source: the recipe pretrains on text ('stdlib' or 'prepared', "
+                          f"byte-tokenized like its chat task), got {cfg.data.source!r}")
+    for stage in RECIPE_STAGES[p.recipe]:
+        try:
+            _validate_settings(stage_config(cfg, stage))
+        except ConfigError as err:
+            raise ConfigError(f"{err} (the recipe's {stage} stage)") from None
 
 
 def validate_train(cfg: Config) -> None:
