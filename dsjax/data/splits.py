@@ -1,5 +1,6 @@
-"""Where a run's train and held-out token shards are: the stdlib corpus (built once, in a cache
-directory) or a prepared corpus (`python -m dsjax.data.prepare`), checked before training.
+"""Where a run's train and held-out token shards are: the stdlib corpus or the arithmetic chat
+task (each built once, in a cache directory) or a prepared corpus (`python -m
+dsjax.data.prepare`), checked before training.
 
 A split's kind (its meta.json format) must suit `train.task`: pretraining reads text (and
 multimodal) splits, SFT chat splits, DPO preference splits."""
@@ -15,6 +16,7 @@ import jax
 
 from dsjax.config import Config, mix_weights
 from dsjax.data import shards
+from dsjax.data.arithmetic_chat import build_arithmetic_corpus
 from dsjax.data.chat_source import CHAT_FORMAT, PREFERENCE_FORMAT, check_fits, read_chat_meta
 from dsjax.data.stdlib_corpus import build_stdlib_corpus
 from dsjax.data.stream import open_split
@@ -134,9 +136,28 @@ def _check_split(cfg: Config, path: str) -> tuple[dict, str]:
     return meta, kind
 
 
+def arithmetic_root(cfg: Config, workdir: str) -> str:
+    """Where data.source='arithmetic' builds its task (data.path, or WORKDIR/data/arithmetic)."""
+    return cfg.data.path or os.path.join(workdir, "data", "arithmetic")
+
+
+def _arithmetic(cfg: Config, workdir: str) -> Splits:
+    """The built-in arithmetic chat task's chat (sft) or preference (dpo) splits."""
+    task = cfg.train.task  # sft or dpo: validate_data refuses pretraining on it
+    built = _one_writer(lambda: build_arithmetic_corpus(arithmetic_root(cfg, workdir),
+                                                        cfg.data.seq_len),
+                        "dsjax arithmetic corpus")
+    meta, kind = _check_split(cfg, built["chat" if task == "sft" else "preference"])
+    path = built[kind]
+    return Splits(os.path.join(path, "train"), os.path.join(path, "eval"), meta["tokenizer"],
+                  kind=kind)
+
+
 def data_splits(cfg: Config, workdir: str) -> Splits:
     """The train and held-out split directories for `cfg.data` (builds the stdlib corpus once)."""
     task = cfg.train.task
+    if cfg.data.source == "arithmetic":
+        return _arithmetic(cfg, workdir)
     if cfg.data.source != "prepared" and task != "pretrain":
         raise DataError(f"train.task: '{task}' trains on a prepared "
                         f"{TASK_KINDS[task][0]} split; set data.source='prepared' and data.path "
