@@ -88,10 +88,19 @@ def main(argv):
         workdir = FLAGS.workdir or default_workdir(name)
         if not FLAGS.verbose:
             quiet_library_logs(workdir, jax.process_index())
-        if FLAGS.mode == "train":
+        if FLAGS.mode == "train" and cfg.posttrain.recipe:
+            from dsjax import posttrain  # pylint: disable=g-import-not-at-top  (imports JAX)
+            posttrain.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback,
+                          max_runtime_s=_max_runtime_s())
+        elif FLAGS.mode == "train":
             from dsjax import train  # pylint: disable=g-import-not-at-top  (imports JAX)
             train.run(cfg, workdir, allow_fallback=FLAGS.allow_fallback,
                       max_runtime_s=_max_runtime_s())
+        elif cfg.posttrain.recipe:
+            raise ConfigError("posttrain.recipe: --mode eval evaluates one run, and the recipe's "
+                              "stages are runs of their own (WORKDIR/<stage>), scored in "
+                              "WORKDIR/summary.json; `python -m dsjax.generate --workdir "
+                              "WORKDIR/dpo` generates from its last stage")
         else:
             from dsjax import train  # pylint: disable=g-import-not-at-top  (imports JAX)
             train.run_eval(cfg, workdir, allow_fallback=FLAGS.allow_fallback)

@@ -236,15 +236,16 @@ def in_default_xla(module, function, *args, timeout=600):
 
 
 def run_launch(workdir, overrides=None, mode="train", config="configs/cpu_tiny.py", timeout=600,
-               xla_flags=None):
-    """Runs `python launch.py` as a user would; returns the CompletedProcess. Without `xla_flags`
-    launch.py gives itself as many simulated CPU devices as the mesh needs."""
+               xla_flags=None, args=()):
+    """Runs `python launch.py` as a user would (with `args` after the config flags); returns the
+    CompletedProcess. Without `xla_flags` launch.py gives itself as many simulated CPU devices as
+    the mesh needs."""
     import subprocess
     import sys
     flags = launch_flags(config, overrides)
     cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
            f"--workdir={workdir}", f"--mode={mode}"]
-    cmd += [f"--config.{k}={v}" for k, v in flags.items()]
+    cmd += [f"--config.{k}={v}" for k, v in flags.items()] + list(args)
     env = child_env()
     if xla_flags:
         env["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {xla_flags}"

@@ -88,6 +88,8 @@ CASES = [
     ("missing_config_file", {}, ["--config=configs/no_such.py"],
      "--config: no such config file 'configs/no_such.py'"),
     ("bad_max_runtime", {}, ["--max_runtime=soon"], "--max_runtime: cannot read 'soon'"),
+    ("recipe_in_eval_mode", {"posttrain.recipe": "pretrain,sft,dpo"}, ["--mode=eval"],
+     "posttrain.recipe: --mode eval evaluates one run"),
     ("init_from_missing", {"checkpoint.init_from": "/nonexistent/dsjax"}, [],
      "checkpoint.init_from: '/nonexistent/dsjax' is not a directory"),
     ("data_path_missing", {"data.source": "prepared", "data.path": "/nonexistent/dsjax"}, [],
