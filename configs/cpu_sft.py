@@ -55,7 +55,7 @@ def get_config(arg=None):
         sft_steps=400,       # steps on the arithmetic conversations
         sft_lr=2e-3,         # SFT peak learning rate
         dpo_steps=60,        # steps on the preference pairs (logged every 3)
-        dpo_lr=5e-5,         # DPO peak learning rate
+        dpo_lr=2e-5,         # DPO peak learning rate
         eval_prompts=100,    # held-out prompts scored by exact match
     ))
     return c

@@ -96,7 +96,7 @@ def test_the_task_is_built_once(tmp_path):
     assert {p: os.stat(os.path.join(d, p)).st_mtime_ns
             for d, _, names in os.walk(root) for p in names} == stamps
     with pytest.raises(DataError,
-                       match=r"^data\.seq_len: 140 is too short .* are 154 tokens together"):
+                       match=r"^data\.seq_len: 140 is too short .* are 153 tokens together"):
         arithmetic.build_arithmetic_corpus(str(tmp_path / "short"), 140, log=lambda *_: None)
     assert not os.path.exists(tmp_path / "short")
     os.remove(os.path.join(root, arithmetic.BUILT))  # an interrupted build: built.json is last

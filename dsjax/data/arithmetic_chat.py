@@ -4,7 +4,7 @@ word problems whose answers are checked exactly, built offline from nothing but 
   User: Mia has pears: 4, then 3 added. How many?
   Assistant: 4 + 3 = 7<eos>
 
-Every problem is a setting (a name, an object) and two numbers a, b in 1..5, added or taken
+Every problem is a setting (a name, an object) and two numbers a, b in 1..4, added or taken
 (a >= b); the reply writes the sum out, so exact match checks that the model read both numbers
 and the operation from the words, and the result. The sentences are shuffled with a fixed seed
 and cut into three disjoint pools: SFT conversations, DPO preference pairs (chosen: the right
@@ -33,15 +33,16 @@ from dsjax.data.chat_template import ChatTemplate
 from dsjax.data.tokenizers import ByteTokenizer
 from dsjax.errors import DataError
 
-VERSION = 6  # of the generator: a change rebuilds every cache
+VERSION = 7  # of the generator: a change rebuilds every cache
 SEED = 20261206
 NAMES = ("Mia", "Leo", "Ana", "Sam", "Kai", "Zoe", "Ben", "Ivy", "Max", "Eva", "Tom", "Nia",
          "Ada", "Eli", "Uma", "Jon", "Ray", "Liz", "Ned", "Ava")
 OBJECTS = ("apples", "pears", "books", "coins", "shells", "cards", "pens", "stamps", "eggs",
            "shoes")
-# Small numbers: 40 facts (25 sums, 15 differences), which a 5M-parameter model learns within
-# cpu_sft's minutes of SFT; 0..9's 155 it did not (docs/posttraining.md).
-NUMBERS = range(1, 6)
+# Small numbers: 26 facts (16 sums, 10 differences), which a 5M-parameter model learns within
+# cpu_sft's minutes of SFT (0..9's 155 it did not), and every answer one digit (DPO unlearned
+# 1..5's lone two-digit sum; docs/posttraining.md).
+NUMBERS = range(1, 5)
 SETTINGS = ("{n}'s {o}:", "{n} has {o}:", "{n}'s box of {o}:")
 # Every problem ends the same way, so both numbers and the operation's word stand at the same
 # distance from the reply whatever the setting, name or object: the words vary, the reading not.

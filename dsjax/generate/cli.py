@@ -1,7 +1,8 @@
 """The generation command line: a run's config and checkpoint -> continuations of prompts.
 
   python -m dsjax.generate --workdir runs/cpu_tiny --prompt "def " --max_new_tokens 64
-  python -m dsjax.generate --workdir runs/cpu_sft/dpo --chat --prompt "What is 7 plus 5?" --greedy
+  python -m dsjax.generate --workdir runs/cpu_sft/dpo --chat --greedy \
+      --prompt "Mia has pears: 4, then 3 added. How many?"
   echo "import os" | python -m dsjax.generate --workdir runs/cpu_tiny
 
 The run's own config.json says the model, mesh and tokenizer; sampling defaults to the config's
