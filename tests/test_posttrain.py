@@ -21,7 +21,7 @@ from dsjax.errors import DataError
 from dsjax.data import ByteTokenizer
 from dsjax.data import arithmetic_chat as arithmetic
 from dsjax.data.chat_template import ChatTemplate, prompt_ids
-from dsjax.evaluate.exact_match import MAX_REPLY_TOKENS, exact_match
+from dsjax.evaluate.exact_match import MAX_REPLY_TOKENS, ExactMatch
 from dsjax.train.trainer import build_trainer
 
 PLUS, MINUS = ("added",), ("taken",)
@@ -132,7 +132,7 @@ def test_exact_match_scores_the_greedy_reply():
         r["answer"] = reply
     for r in records[1::2]:
         r["answer"] += "0"
-    got = exact_match(trainer, params, records, tok, template)
+    got = ExactMatch.for_trainer(trainer, tok, template)(params, records)
     assert got["exact_match"] == 0.5 and got["prompts"] == 4
     assert [e["reply"] for e in got["examples"]] == replies
 

@@ -136,19 +136,20 @@ def _check_split(cfg: Config, path: str) -> tuple[dict, str]:
     return meta, kind
 
 
-def arithmetic_root(cfg: Config, workdir: str) -> str:
-    """Where data.source='arithmetic' builds its task (data.path, or WORKDIR/data/arithmetic)."""
-    return cfg.data.path or os.path.join(workdir, "data", "arithmetic")
+def arithmetic_root(path: str, workdir: str) -> str:
+    """Where data.source='arithmetic' builds its task: `path` (data.path), or
+    WORKDIR/data/arithmetic."""
+    return path or os.path.join(workdir, "data", "arithmetic")
 
 
 def _arithmetic(cfg: Config, workdir: str) -> Splits:
     """The built-in arithmetic chat task's chat (sft) or preference (dpo) splits."""
-    task = cfg.train.task  # sft or dpo: validate_data refuses pretraining on it
-    built = _one_writer(lambda: build_arithmetic_corpus(arithmetic_root(cfg, workdir),
+    built = _one_writer(lambda: build_arithmetic_corpus(arithmetic_root(cfg.data.path, workdir),
                                                         cfg.data.seq_len),
                         "dsjax arithmetic corpus")
-    meta, kind = _check_split(cfg, built["chat" if task == "sft" else "preference"])
-    path = built[kind]
+    # sft or dpo: validate_data refuses pretraining on it
+    path = built["chat" if cfg.train.task == "sft" else "preference"]
+    meta, kind = _check_split(cfg, path)
     return Splits(os.path.join(path, "train"), os.path.join(path, "eval"), meta["tokenizer"],
                   kind=kind)
 

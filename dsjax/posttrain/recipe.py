@@ -27,7 +27,7 @@ from dsjax.data.chat_template import ChatTemplate
 from dsjax.data.splits import arithmetic_root, data_splits
 from dsjax.data.tokenizers import load_tokenizer
 from dsjax.errors import DataError
-from dsjax.evaluate.exact_match import exact_match
+from dsjax.evaluate.exact_match import ExactMatch
 
 REWARD_WINDOW = 0.25  # dpo_reward_accuracy: the mean over this last share of the logged steps
 
@@ -35,9 +35,9 @@ REWARD_WINDOW = 0.25  # dpo_reward_accuracy: the mean over this last share of th
 def _usable_start(cfg: Config) -> str:
     """posttrain.start_from when it holds a checkpoint of this very model, else ""."""
     run = cfg.posttrain.start_from
-    config_json = os.path.join(run, "config.json")
-    if not run or not os.path.isdir(os.path.join(run, "checkpoints")) or not os.listdir(
-            os.path.join(run, "checkpoints")) or not os.path.isfile(config_json):
+    checkpoints, config_json = os.path.join(run, "checkpoints"), os.path.join(run, "config.json")
+    if not (run and os.path.isfile(config_json) and os.path.isdir(checkpoints)
+            and os.listdir(checkpoints)):
         return ""
     with open(config_json, encoding="utf-8") as f:
         model = json.load(f).get("model")
@@ -47,13 +47,21 @@ def _usable_start(cfg: Config) -> str:
     return run
 
 
-def _score(cfg: Config, weights: str, heldout: list[dict]) -> dict[str, Any]:
-    """Exact match of the latest weights under `weights` (a run dir) on the held-out prompts."""
-    trainer = train.build_trainer(cfg)
-    params = ckpt.restore_params(weights, trainer.abstract_state().params, cfg.model,
-                                 log=lambda *_: None)
-    return exact_match(trainer, params, heldout, load_tokenizer("byte"),
-                       ChatTemplate.for_tokenizer("byte"))
+class _Scorer:
+    """Exact match of a run's latest weights on the held-out prompts. One trainer and one
+    generator for every stage (the stages change data and optimisation, not the model or the
+    mesh), so the decoding program compiles once."""
+
+    def __init__(self, cfg: Config, heldout: list[dict]):
+        self.trainer = train.build_trainer(cfg)
+        self.score = ExactMatch.for_trainer(self.trainer, load_tokenizer("byte"),
+                                            ChatTemplate.for_tokenizer("byte"))
+        self.heldout, self.model = heldout, cfg.model
+
+    def __call__(self, weights: str) -> dict[str, Any]:
+        params = ckpt.restore_params(weights, self.trainer.abstract_state().params, self.model,
+                                     log=lambda *_: None)
+        return self.score(params, self.heldout)
 
 
 def _reward_accuracy(workdir: str) -> float:
@@ -102,7 +110,7 @@ def _stages(cfg: Config, workdir: str, seconds: dict[str, float], deadline: floa
             allow_fallback: bool) -> dict[str, Any]:
     p = cfg.posttrain
     # The chat task first: a seq_len too short for it fails before anything trains.
-    task_path = arithmetic_root(stage_config(cfg, "sft"), workdir)  # the recipe's own
+    task_path = arithmetic_root("", workdir)  # the recipe's own, not data.path (its text)
     heldout_path = build_arithmetic_corpus(task_path, cfg.data.seq_len, log=mx.log)["heldout"]
     with open(heldout_path, encoding="utf-8") as f:
         heldout = [json.loads(line) for line in f][:p.eval_prompts]
@@ -121,18 +129,19 @@ def _stages(cfg: Config, workdir: str, seconds: dict[str, float], deadline: floa
         _train(pretrain, start, seconds, deadline, allow_fallback)
     sft_dir, dpo_dir = os.path.join(workdir, "sft"), os.path.join(workdir, "dpo")
     sft = stage_config(cfg, "sft", init_from=start, task_path=task_path)
-    before = _score(sft, start, heldout)
+    score = _Scorer(sft, heldout)
+    before = score(start)
     mx.log(f"posttrain: exact match before SFT {before['exact_match']:.3f} "
            f"({before['prompts']} held-out prompts)")
     mx.log(f"posttrain: stage 2/3, SFT {p.sft_steps} steps from {start}")
     _train(sft, sft_dir, seconds, deadline, allow_fallback)
-    after_sft = _score(sft, sft_dir, heldout)
+    after_sft = score(sft_dir)
     mx.log(f"posttrain: exact match after SFT {after_sft['exact_match']:.3f}")
 
     dpo = stage_config(cfg, "dpo", init_from=sft_dir, task_path=task_path)
     mx.log(f"posttrain: stage 3/3, DPO {p.dpo_steps} steps from {sft_dir}")
     _train(dpo, dpo_dir, seconds, deadline, allow_fallback)
-    after_dpo = _score(dpo, dpo_dir, heldout)
+    after_dpo = score(dpo_dir)
     reward_accuracy = _reward_accuracy(dpo_dir)
     mx.log(f"posttrain: exact match after DPO {after_dpo['exact_match']:.3f} | DPO reward "
            f"accuracy {reward_accuracy:.3f} (last {REWARD_WINDOW:.0%} of its logged steps)")
