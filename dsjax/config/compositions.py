@@ -41,6 +41,12 @@ def compositions(cfg: Config) -> None:
     if m.expert_parallel and not m.is_moe:
         raise ConfigError("model.expert_parallel: needs routed experts (model.n_routed_experts); "
                           "a dense model has no experts to place over `data`")
+    if (fp8 and m.is_moe and m.moe_impl != "capacity"
+            and {"gate", "up", "down"} & set(f.matmul_names)):
+        # Per-expert scales inside the grouped GEMMs (and their VJP) are not written yet.
+        raise ConfigError(f"model.moe_impl: {m.moe_impl!r} runs the routed experts' grouped "
+                          f"GEMMs in the compute dtype; fp8 experts need moe_impl='capacity' "
+                          f"(or leave gate, up, down out of fp8.matmuls)")
 
     # 1-bit Adam.
     if o.hierarchical and o.name != "onebit_adam":

@@ -55,7 +55,11 @@ class ModelConfig:
     aux_loss_alpha: float = 0.0  # MoE balance loss weight (per sequence, V2/V3 form); 0 = off
     bias_update_speed: float = 0.001  # sigmoid: aux-loss-free bias step gamma (V3 §2.1.2); 0 = off
     expert_parallel: bool = False  # MoE: all-to-all dispatch, experts over the "expert" axis
-    capacity_factor: float = 0.0  # MoE: slots per expert = factor * tokens * k / E; 0 = dropless
+    capacity_factor: float = 0.0  # MoE capacity: slots per expert = factor * tokens * k / E;
+                                  # 0 = dropless ([E, tokens, D] buffers)
+    moe_impl: str = "capacity"  # MoE: capacity (buffers) | ragged | padded (dropless sorted rows,
+                                # grouped GEMMs) | auto (padded; ragged on TPU); docs/moe.md
+    moe_tile: int = 0  # padded: rows per tile; 0 = per backend (model/moe_grouped.py)
     num_mtp_layers: int = 0  # multi-token prediction modules (V3 §2.2); 0 = off
     mtp_loss_weight: float = 0.3  # MTP: weight of the mean MTP loss in the training loss
     # docs/attention.md: the attention core's implementation and flash's tile sizes

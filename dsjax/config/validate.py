@@ -36,6 +36,7 @@ ATTENTION_KINDS = ("mha", "mla")
 ATTENTION_IMPLS = ("xla", "flash", "cudnn", "pallas", "auto")  # per backend: model/attention.py
 ROPE_SCALINGS = ("none", "yarn")
 MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_IMPLS = ("capacity", "ragged", "padded", "auto")  # dispatch: model/moe.py, moe_grouped.py
 
 
 def _bounds(section: str, values: object, positive: str = "", non_negative: str = "") -> None:
@@ -104,7 +105,8 @@ def validate_deepseek(m: ModelConfig) -> None:
             non_negative="q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
             "rope_original_max_len rope_mscale rope_mscale_all_dim n_routed_experts "
             "n_shared_experts moe_intermediate_size num_experts_per_tok first_k_dense_replace "
-            "aux_loss_alpha bias_update_speed capacity_factor num_mtp_layers mtp_loss_weight")
+            "aux_loss_alpha bias_update_speed capacity_factor moe_tile num_mtp_layers "
+            "mtp_loss_weight")
     if m.attention == "mla":
         _bounds("model", m, positive="kv_lora_rank qk_rope_head_dim v_head_dim")
         if m.qk_rope_head_dim % 2:
@@ -115,6 +117,12 @@ def validate_deepseek(m: ModelConfig) -> None:
         _bounds("model", m, positive="rope_factor rope_original_max_len rope_beta_fast "
                 "rope_beta_slow")
     one_of("model.scoring", m.scoring, MOE_SCORINGS, "router scoring")
+    one_of("model.moe_impl", m.moe_impl, MOE_IMPLS, "implementation")
+    if m.moe_impl != "capacity" and m.capacity_factor:
+        raise ConfigError(f"model.capacity_factor: {m.capacity_factor} drops the assignments past "
+                          f"each expert's capacity, and moe_impl={m.moe_impl!r} is dropless (every "
+                          f"token reaches its experts); set capacity_factor=0, or "
+                          f"moe_impl='capacity'")
     if m.n_routed_experts:
         _bounds("model", m, positive="moe_intermediate_size num_experts_per_tok n_group topk_group")
         if m.num_experts_per_tok > m.n_routed_experts:

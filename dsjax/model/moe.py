@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8
+from dsjax.model import moe_grouped
 from dsjax.model.layers import SwiGLU, _param
 
 Dtype = Any
@@ -50,7 +51,8 @@ def moe_fields(cfg) -> tuple[tuple[str, Any], ...]:
             ("n_group", cfg.n_group), ("topk_group", cfg.topk_group),
             ("routed_scaling_factor", cfg.routed_scaling_factor), ("scoring", cfg.scoring),
             ("norm_topk_prob", cfg.norm_topk_prob), ("capacity_factor", cfg.capacity_factor),
-            ("expert_parallel", cfg.expert_parallel), ("init_std", cfg.init_std))
+            ("expert_parallel", cfg.expert_parallel), ("init_std", cfg.init_std),
+            ("impl", cfg.moe_impl), ("tile", cfg.moe_tile))
 
 
 def route(logits_TE: jax.Array, bias_E: jax.Array | None, *, k: int, n_group: int,
@@ -155,8 +157,22 @@ class MoE(nn.Module):
     capacity_factor: float
     expert_parallel: bool
     init_std: float
+    impl: str = "capacity"  # one of MOE_IMPLS (dsjax/config/validate.py)
+    tile: int = 0  # padded: rows per tile; 0 = per backend (moe_grouped.resolve_tile)
+    unroll: bool = False  # padded: unroll the tile scan (benchmarks count its FLOPs so)
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
+
+    def _grouped(self) -> str | None:
+        """The grouped implementation this layer runs (`ragged` or `padded`), None for the
+        capacity buffers."""
+        impl = moe_grouped.resolve_impl(self.impl)
+        if impl not in moe_grouped.GROUPED:
+            return None
+        if self.fp8_policy is not None and any(map(self.fp8_policy.runs, ("gate", "up", "down"))):
+            raise NotImplementedError("fp8 routed experts run with model.moe_impl='capacity' "
+                                      "only (dsjax.config.compositions says why)")
+        return impl
 
     def _expert_metas(self) -> dict[str, fp8.Fp8Meta]:
         """Delayed scaling: one amax history per expert and projection, `Fp8Meta` leaves with a
@@ -253,6 +269,12 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         E, K = self.num_experts, self.experts_per_token
         experts_TK = experts_BSK.reshape(B * S, K)
+        if impl := self._grouped():
+            return moe_grouped.routed(
+                x_BSD.reshape(B * S, D), experts_TK, weights_BSK.reshape(B * S, K),
+                w_gate.astype(self.dtype), w_up.astype(self.dtype), w_down.astype(self.dtype),
+                impl=impl, tile=moe_grouped.resolve_tile(self.tile),
+                unroll=self.unroll).reshape(B, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(B * S, K, E, self.capacity_factor)
         x_ECD = dispatch(x_BSD.reshape(B * S, D), experts_TK, slots_TK, E, cap)
@@ -274,6 +296,12 @@ class MoE(nn.Module):
         W = lax.axis_size(axis)
         e = E // W
         experts_TK = experts_bSK.reshape(b * S, K)
+        if impl := self._grouped():
+            return moe_grouped.exchange(
+                axis, x_bSD.reshape(b * S, D), experts_TK, weights_bSK.reshape(b * S, K),
+                w_gate.astype(self.dtype), w_up.astype(self.dtype), w_down.astype(self.dtype),
+                num_experts=E, impl=impl, tile=moe_grouped.resolve_tile(self.tile),
+                unroll=self.unroll).reshape(b, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(b * S, K, E, self.capacity_factor)
         send_ECD = dispatch(x_bSD.reshape(b * S, D), experts_TK, slots_TK, E, cap)

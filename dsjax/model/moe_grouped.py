@@ -1,0 +1,215 @@
+"""Dropless MoE at the cost of the tokens routed: sorted rows and grouped GEMMs (docs/moe.md).
+
+The one idea: the A = T * k (token, expert) assignments are laid out as rows sorted by expert, and
+each projection is one grouped GEMM, row block g times expert g's weight; no [E, C, D] buffer
+exists. Two grouped GEMMs:
+- `ragged`: `jax.lax.ragged_dot` over exactly A rows with per-expert group sizes (rows past the
+  groups come out zero). It is exact-size only where the backend has a grouped kernel: XLA:CPU
+  (and, reportedly, CUDA) expand it into a dense [rows, E, F] product.
+- `padded`: each expert's rows padded to a multiple of `tile`, at most A + E * (tile - 1) rows,
+  one dense [tile, D] x [D, F] GEMM per tile in a `lax.scan` with a hand-written VJP (the weight
+  gradient accumulates in place, per expert; no per-tile copy of a weight is kept).
+Letters: see dsjax/model/__init__.py; A assignments, M rows of the grouped layout, G groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from dsjax.config.validate import MOE_IMPLS
+
+GROUPED = ("ragged", "padded")  # the dropless grouped members of MOE_IMPLS
+CPU_TILE = 32  # padded rows per tile on XLA:CPU: within 1.08x of the routed rows at V2-Lite
+DEVICE_TILE = 128  # on accelerators: a GEMM tile's rows
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """`auto`: `ragged` where `ragged_dot` has a grouped kernel (TPU), else `padded`."""
+    assert impl in MOE_IMPLS, impl
+    if impl != "auto":
+        return impl
+    return "ragged" if (backend or jax.default_backend()) == "tpu" else "padded"
+
+
+def resolve_tile(tile: int, backend: str | None = None) -> int:
+    """`model.moe_tile` 0: `CPU_TILE` on CPU, `DEVICE_TILE` elsewhere."""
+    if tile:
+        return tile
+    return CPU_TILE if (backend or jax.default_backend()) == "cpu" else DEVICE_TILE
+
+
+def layout_rows(assignments: int, groups: int, tile: int | None) -> int:
+    """Rows of the grouped layout: exactly `assignments` (ragged), or the padded static bound
+    A + G * (tile - 1), rounded up to whole tiles."""
+    if tile is None:
+        return assignments
+    return math.ceil((assignments + groups * (tile - 1)) / tile) * tile
+
+
+class Layout(NamedTuple):
+    """Where each assignment's row goes. `row` [A]: its row (`rows` for an assignment of no
+    group, which scatters and gathers drop); `sizes` [G]: rows per group; `tile_group` [M/tile]:
+    each tile's group (padded only, else None)."""
+    row: jax.Array
+    sizes: jax.Array
+    tile_group: jax.Array | None
+    rows: int
+
+
+def sort_rows(group_A: jax.Array, groups: int, tile: int | None) -> Layout:
+    """Rows sorted by group, assignments of one group in their original order. `group_A` in
+    [0, groups]; `groups` itself marks an assignment that belongs to no group (an empty
+    receive slot under expert parallelism)."""
+    A = group_A.shape[0]
+    rows = layout_rows(A, groups, tile)
+    order = jnp.argsort(group_A, stable=True)
+    sorted_at = jnp.zeros((A,), jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))
+    sizes = jnp.zeros((groups + 1,), jnp.int32).at[group_A].add(1)[:groups]
+    starts = jnp.cumsum(sizes) - sizes
+    valid = group_A < groups
+    g = jnp.minimum(group_A, groups - 1)
+    within = sorted_at - starts[g]
+    if tile is None:
+        return Layout(jnp.where(valid, sorted_at, rows), sizes, None, rows)
+    padded = (sizes + tile - 1) // tile * tile
+    ends = jnp.cumsum(padded)
+    row = jnp.where(valid, ends[g] - padded[g] + within, rows)
+    tile_starts = jnp.arange(rows // tile, dtype=jnp.int32) * tile
+    tile_group = jnp.minimum(jnp.searchsorted(ends, tile_starts, side="right"), groups - 1)
+    return Layout(row, sizes, tile_group.astype(jnp.int32), rows)
+
+
+def to_rows(x_AD: jax.Array, layout: Layout) -> jax.Array:
+    """[A, D] assignments -> [M, D] rows (padding rows zero). A scatter, not a gather of x: a
+    gather of a sharded token axis fails XLA's SPMD partitioner inside a pipeline's shard_map."""
+    rows = jnp.zeros((layout.rows, x_AD.shape[-1]), x_AD.dtype)
+    return rows.at[layout.row].set(x_AD, mode="drop")
+
+
+def from_rows(y_MD: jax.Array, layout: Layout) -> jax.Array:
+    """[M, D] rows -> [A, D] assignments (zero for an assignment of no group)."""
+    return y_MD.at[layout.row].get(mode="fill", fill_value=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The padded grouped GEMM: one tile GEMM per step of a scan, with its own VJP.
+
+def _tiles(a: jax.Array, tile: int) -> jax.Array:
+    return a.reshape(a.shape[0] // tile, tile, *a.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tiled_matmul(x_MD: jax.Array, w_GDF: jax.Array, tile_group: jax.Array,
+                 unroll: bool = False) -> jax.Array:
+    """[M, D] rows x per-tile weights w[tile_group] -> [M, F]. `unroll` unrolls the scan (so
+    that `cost_analysis` counts every tile; benchmarks only)."""
+    return _tiled_forward(x_MD, w_GDF, tile_group, unroll)
+
+
+def _tiled_forward(x_MD, w_GDF, tile_group, unroll):
+    n = tile_group.shape[0]
+    tile = x_MD.shape[0] // n
+
+    def step(_, xs):
+        x_tD, g = xs
+        return None, jnp.dot(x_tD, w_GDF[g], preferred_element_type=x_MD.dtype)
+
+    _, y = lax.scan(step, None, (_tiles(x_MD, tile), tile_group), unroll=n if unroll else 1)
+    return y.reshape(x_MD.shape[0], w_GDF.shape[-1])
+
+
+def _tiled_fwd(x_MD, w_GDF, tile_group, unroll):
+    return _tiled_forward(x_MD, w_GDF, tile_group, unroll), (x_MD, w_GDF, tile_group)
+
+
+def _tiled_bwd(unroll, res, dy_MF):
+    x_MD, w_GDF, tile_group = res
+    n = tile_group.shape[0]
+    tile = x_MD.shape[0] // n
+
+    def step(dw_GDF, xs):
+        x_tD, dy_tF, g = xs
+        dx_tD = jnp.dot(dy_tF, w_GDF[g].T, preferred_element_type=x_MD.dtype)
+        dw = jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
+        return lax.dynamic_update_index_in_dim(dw_GDF, dw_GDF[g] + dw, g, 0), dx_tD
+
+    dw_GDF, dx = lax.scan(step, jnp.zeros(w_GDF.shape, jnp.float32),
+                          (_tiles(x_MD, tile), _tiles(dy_MF.astype(x_MD.dtype), tile),
+                           tile_group), unroll=n if unroll else 1)
+    return dx.reshape(x_MD.shape), dw_GDF.astype(w_GDF.dtype), None
+
+
+tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def grouped_matmul(x_MD: jax.Array, w_GDF: jax.Array, layout: Layout, *,
+                   unroll: bool = False) -> jax.Array:
+    """Rows of group g times w[g]: `ragged_dot` (layout without tiles) or the padded scan."""
+    if layout.tile_group is None:
+        return lax.ragged_dot(x_MD, w_GDF, layout.sizes, preferred_element_type=x_MD.dtype)
+    return tiled_matmul(x_MD, w_GDF, layout.tile_group, unroll)
+
+
+def grouped_swiglu(x_MD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   layout: Layout, *, unroll: bool = False) -> jax.Array:
+    """Each row through its expert's SwiGLU: down(silu(x gate) * (x up)). Padding rows stay
+    zero (silu(0) * 0 = 0), so they add nothing to any gradient."""
+    dtype = x_MD.dtype
+    mm = functools.partial(grouped_matmul, layout=layout, unroll=unroll)
+    gate_MF = mm(x_MD, w_gate.astype(dtype))
+    up_MF = mm(x_MD, w_up.astype(dtype))
+    hidden_MF = checkpoint_name(jax.nn.silu(gate_MF) * up_MF, "mlp_hidden")
+    return mm(hidden_MF, w_down.astype(dtype))
+
+
+def routed(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, w_gate: jax.Array,
+           w_up: jax.Array, w_down: jax.Array, *, impl: str, tile: int,
+           unroll: bool = False) -> jax.Array:
+    """sum_k weight_k * expert_k(x), all experts local: sort, grouped SwiGLU, gather back."""
+    T, D = x_TD.shape
+    K = experts_TK.shape[1]
+    layout = sort_rows(experts_TK.reshape(-1), w_gate.shape[0],
+                       tile if impl == "padded" else None)
+    x_MD = to_rows(jnp.repeat(x_TD, K, axis=0), layout)
+    y_MD = checkpoint_name(grouped_swiglu(x_MD, w_gate, w_up, w_down, layout, unroll=unroll),
+                           "moe_routed")
+    y_TKD = from_rows(y_MD, layout).reshape(T, K, D)
+    return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))
+
+
+def exchange(axis: str, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
+             w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, num_experts: int,
+             impl: str, tile: int, unroll: bool = False) -> jax.Array:
+    """Expert parallelism's body, inside a shard_map manual over `axis` (W devices, e = E / W
+    experts each, expert j on device j // e). Each device sends every peer the rows routed to
+    its experts, in a slot of A rows per peer (the static bound: XLA:CPU cannot run
+    `ragged_all_to_all`), with each row's local expert id (e marks an empty slot); the receiver
+    runs the grouped SwiGLU on what arrived and sends the outputs back the same way."""
+    T, D = x_TD.shape
+    K = experts_TK.shape[1]
+    A = T * K
+    W = lax.axis_size(axis)
+    e = num_experts // W
+    expert_A = experts_TK.reshape(-1)
+    send = sort_rows(expert_A // e, W, None)  # sorted by owner: rows [0, A) of the flat layout
+    owner_starts = jnp.cumsum(send.sizes) - send.sizes
+    owner = expert_A // e
+    slot_A = owner * A + send.row - owner_starts[owner]  # row in [W, A] slots, one block per peer
+    send_x = jnp.zeros((W * A, D), x_TD.dtype).at[slot_A].set(jnp.repeat(x_TD, K, axis=0),
+                                                              unique_indices=True)
+    send_e = jnp.full((W * A,), e, jnp.int32).at[slot_A].set(expert_A % e, unique_indices=True)
+    recv_x = lax.all_to_all(send_x.reshape(W, A, D), axis, 0, 0, tiled=True).reshape(W * A, D)
+    recv_e = lax.all_to_all(send_e.reshape(W, A), axis, 0, 0, tiled=True).reshape(W * A)
+    layout = sort_rows(recv_e, e, tile if impl == "padded" else None)
+    y_MD = grouped_swiglu(to_rows(recv_x, layout), w_gate, w_up, w_down, layout, unroll=unroll)
+    y_back = lax.all_to_all(from_rows(y_MD, layout).reshape(W, A, D), axis, 0, 0, tiled=True)
+    y_back = checkpoint_name(y_back.reshape(W * A, D), "moe_routed")  # spares both all-to-alls
+    y_TKD = y_back[slot_A].reshape(T, K, D)
+    return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))

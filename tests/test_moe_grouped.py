@@ -1,0 +1,167 @@
+"""Dropless MoE with sorted rows and grouped GEMMs (dsjax/model/moe_grouped.py) against a plain
+per-token loop in NumPy (float64: each token through each of its k experts, the gradients
+written out by hand), with and without expert parallelism on 8 devices, under extreme
+imbalance; then in the model against the capacity buffers' dropless path."""
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dsjax import config as config_lib
+from dsjax.errors import ConfigError
+from dsjax.model import moe_grouped
+from dsjax.model.moe import MoE, capacity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T, D, F, E, K = 32, 8, 6, 8, 2
+
+
+def _sigmoid(z):
+    return 1 / (1 + np.exp(-z))
+
+
+def per_token_loop(x, experts, weights, w_gate, w_up, w_down, cot):
+    """y, sum(y * cot) with y_t = sum_k w_tk SwiGLU_{e_tk}(x_t), and its gradients with respect to x,
+    the routing weights and the three expert weights, one token and one choice at a time."""
+    x, weights, w_gate, w_up, w_down, cot = (np.asarray(a, np.float64) for a in
+                                             (x, weights, w_gate, w_up, w_down, cot))
+    y, grads = np.zeros_like(x), [np.zeros_like(a) for a in (x, weights, w_gate, w_up, w_down)]
+    gx, gw, gg, gu, gd = grads
+    for t in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e = experts[t, k]
+            g, u = x[t] @ w_gate[e], x[t] @ w_up[e]
+            h = g * _sigmoid(g) * u
+            out = h @ w_down[e]
+            y[t] += weights[t, k] * out
+            gw[t, k] = cot[t] @ out
+            dy = weights[t, k] * cot[t]
+            gd[e] += np.outer(h, dy)
+            dh = w_down[e] @ dy
+            dsilu = _sigmoid(g) * (1 + g * (1 - _sigmoid(g)))
+            dg, du = dh * u * dsilu, dh * g * _sigmoid(g)
+            gg[e] += np.outer(x[t], dg)
+            gu[e] += np.outer(x[t], du)
+            gx[t] += w_gate[e] @ dg + w_up[e] @ du
+    return y, np.sum(y * cot), grads
+
+
+def _problem(routing):
+    rng = np.random.default_rng(0)
+    f32 = lambda a: a.astype(np.float32)
+    arrays = (f32(rng.normal(size=(T, D))), f32(rng.uniform(0.1, 1, size=(T, K))),
+              f32(0.3 * rng.normal(size=(E, D, F))), f32(0.3 * rng.normal(size=(E, D, F))),
+              f32(0.3 * rng.normal(size=(E, F, D))))
+    experts = {
+        "random": np.stack([rng.permutation(E)[:K] for _ in range(T)]),
+        "one_expert": np.full((T, K), 3),  # all T * K assignments to expert 3
+        "two_of_eight": rng.integers(0, 2, size=(T, K)),  # six experts get no token
+    }[routing].astype(np.int32)
+    return experts, arrays, f32(rng.normal(size=(T, D)))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["local", "ep8"])
+@pytest.mark.parametrize("routing", ["random", "one_expert", "two_of_eight"])
+@pytest.mark.parametrize("impl", ["ragged", "padded"])
+def test_grouped_rows_equal_the_per_token_loop(impl, routing, expert_parallel):
+    """Loss and every gradient to 1e-5 (relative to the gradient's largest entry). ep8: 8
+    devices, one expert each; with all assignments on expert 3, device 3 receives every row."""
+    experts, (x, weights, w_gate, w_up, w_down), cot = _problem(routing)
+    _, ref_loss, ref_grads = per_token_loop(x, experts, weights, w_gate, w_up, w_down, cot)
+
+    def routed(x, experts, weights, w_gate, w_up, w_down):
+        if not expert_parallel:
+            return moe_grouped.routed(x, experts, weights, w_gate, w_up, w_down, impl=impl,
+                                      tile=4)
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        body = lambda *a: moe_grouped.exchange("data", *a, num_experts=E, impl=impl, tile=4)
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 6, out_specs=P("data"),
+                             check_vma=False)(x, experts, weights, w_gate, w_up, w_down)
+
+    def loss(x, weights, w_gate, w_up, w_down):
+        return jnp.sum(routed(x, experts, weights, w_gate, w_up, w_down) * cot)
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=range(5)))(
+        x, weights, w_gate, w_up, w_down)
+    # float32 against float64: measured <= 5e-7 relative in every case.
+    np.testing.assert_allclose(float(value), ref_loss, rtol=1e-5)
+    for name, g, r in zip(("x", "weights", "gate", "up", "down"), grads, ref_grads):
+        err = np.max(np.abs(np.asarray(g, np.float64) - r)) / np.max(np.abs(r))
+        assert err < 1e-5, (name, err)
+
+
+def test_padded_layout_puts_each_group_in_whole_tiles():
+    """Group sizes 5, 0, 3 (and one assignment of no group) with tile 4: groups start at
+    rows 0 and 8, each tile names its group, the stray assignment lands past the last row."""
+    group = jnp.array([2, 0, 0, 3, 0, 2, 0, 0, 2], jnp.int32)  # 3 = no group
+    layout = moe_grouped.sort_rows(group, 3, 4)
+    assert layout.rows == 20  # ceil((9 + 3 * 3) / 4) tiles of 4
+    np.testing.assert_array_equal(layout.sizes, [5, 0, 3])
+    np.testing.assert_array_equal(layout.row, [8, 0, 1, 20, 2, 9, 3, 4, 10])
+    np.testing.assert_array_equal(layout.tile_group, [0, 0, 2, 2, 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# In the model.
+
+def _moe(impl, factor=0.0):
+    return MoE(num_experts=E, experts_per_token=K, expert_dim=F, n_shared=0, n_group=1,
+               topk_group=1, routed_scaling_factor=1.0, scoring="sigmoid",
+               norm_topk_prob=True, capacity_factor=factor, expert_parallel=False,
+               init_std=0.3, impl=impl, tile=4)
+
+
+def test_no_token_is_dropped_when_every_token_picks_one_expert():
+    """A router bias that sends every token to experts 0 and 1: capacity_factor 1.25 keeps
+    ceil(1.25 * 64 * 2 / 8) = 20 of each expert's 64 assignments; ragged and padded keep all
+    of them, equal to the per-token loop on the same routing."""
+    B, S = 2, 32
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(B, S, D)), jnp.float32)
+    params = nn.unbox(_moe("padded").init(jax.random.key(0), x)["params"])
+    params = {**params, "router_bias": params["router_bias"].at[:2].set(1e3)}
+    assert capacity(B * S, K, E, 1.25) == 20
+    outputs = {}
+    for impl, factor in (("ragged", 0.0), ("padded", 0.0), ("capacity", 1.25)):
+        y, stats = _moe(impl, factor).apply({"params": params}, x)
+        outputs[impl] = np.asarray(y).reshape(B * S, D)
+        np.testing.assert_array_equal(stats["load"], [B * S, B * S] + [0] * (E - 2))
+    logits = np.asarray(x).reshape(B * S, D) @ np.asarray(params["router"], np.float64)
+    scores = _sigmoid(logits[:, :2])
+    weights = scores / scores.sum(axis=1, keepdims=True)
+    experts = np.tile([[0, 1]], (B * S, 1))
+    ref = per_token_loop(np.asarray(x).reshape(B * S, D), experts, weights, params["gate"],
+                         params["up"], params["down"], np.zeros((B * S, D)))[0]
+    for impl in ("ragged", "padded"):
+        np.testing.assert_allclose(outputs[impl], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    kept = np.abs(outputs["capacity"] - ref).max(axis=1) < 1e-4 * np.abs(ref).max()
+    assert kept.sum() == 20  # the first 20 tokens; the other 44 lost both assignments
+
+
+MOE_FLAGS = {"model.num_layers": 3, "model.hidden_size": 64, "model.mlp_dim": 128,
+             "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16,
+             "model.qk_rope_head_dim": 8, "model.v_head_dim": 16,
+             "model.moe_intermediate_size": 32, "data.seq_len": 32, "data.global_batch": 8}
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"model.moe_impl": "grouped"}, "model.moe_impl"),
+    ({"model.moe_impl": "padded", "model.capacity_factor": 1.25}, "model.capacity_factor"),
+    ({"model.moe_impl": "auto", "train.compute_dtype": "fp8"}, "model.moe_impl"),
+    ({"model.moe_tile": -1}, "model.moe_tile"),
+])
+def test_invalid_moe_impl_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {**MOE_FLAGS, **overrides})
+
+
+def test_fp8_elsewhere_composes_with_grouped_experts():
+    """fp8 for attention only (gate, up, down left out of fp8.matmuls) loads."""
+    cfg = config_lib.load(os.path.join(ROOT, "configs", "cpu_moe.py"), {
+        **MOE_FLAGS, "model.moe_impl": "padded", "train.compute_dtype": "fp8",
+        "fp8.matmuls": "q,k,v,o"})
+    assert cfg.model.moe_impl == "padded"
