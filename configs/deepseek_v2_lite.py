@@ -47,7 +47,7 @@ def get_config(arg=None):
         aux_loss_alpha=0.001,       # V2's expert-level balance loss weight
         bias_update_speed=0.0,      # no correction bias with a softmax router
         expert_parallel=True,       # experts over `data`, all-to-all dispatch
-        capacity_factor=1.25,       # dropless buffers would be E x tokens at this scale
+        moe_impl="auto",            # dropless: sorted rows, grouped GEMMs (docs/moe.md)
     ))
     c.mesh.update(dict(data=8, tensor=1, fsdp=False))  # 8 GPUs: 8 experts each
     # optim.lr: deepseek_7b's, which is V2-Lite's published peak learning rate too

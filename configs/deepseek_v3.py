@@ -51,7 +51,7 @@ def get_config(arg=None):
         aux_loss_alpha=0.0001,      # V3's sequence-wise balance loss weight
         bias_update_speed=0.001,    # V3's bias update speed gamma (first 14.3T tokens)
         expert_parallel=True,       # experts over `data`, all-to-all dispatch
-        capacity_factor=1.25,       # dropless buffers would be E x tokens at this scale
+        moe_impl="auto",            # dropless: sorted rows, grouped GEMMs (docs/moe.md)
         num_mtp_layers=1,           # one MTP module, loss weight 0.3 (V3 §4.2, first 10T tokens)
     ))
     c.mesh.update(dict(data=64, tensor=8, fsdp=True))  # 512 GPUs: 4 experts each

@@ -113,6 +113,12 @@ SMOKE = {
                         "attention.json", {"rows", "backend", "dims", *LOAD_KEYS},
                         {"impl", "seq_len", "attention", "temp_bytes", "max_abs_diff",
                          "grad_max_abs_diff", "ms"}),
+    # One MoE layer at 32 wide, 8 experts, top-2, 64 tokens: every impl's row.
+    "moe_table": ("moe_table", ["--tokens", "64", "--hidden", "32", "--expert_dim", "16",
+                                "--experts", "8", "--k", "2", "--out", "{out}/moe.json"],
+                  "moe.json", {"rows", "backend", "dims", "routed_fwd_flops", *LOAD_KEYS},
+                  {"impl", "tile", "temp_bytes", "fwd_flops", "step_flops", "fwd_vs_routed",
+                   "temp_vs_capacity"}),
     "decode_speed": ("decode_speed", ["--config", "configs/cpu_tiny.py", *TINY_SET,
                                       "--new_tokens", "8", "--rounds", "1", "--out",
                                       "{out}/decode.json"],
@@ -168,6 +174,8 @@ DOCUMENTED = {
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
     "python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json":
         "attention_table",
+    "python benchmarks/moe_table.py": "moe_table",
+    "python benchmarks/moe_table.py --out benchmarks/results/moe_table_v2_lite.json": "moe_table",
     "python benchmarks/decode_speed.py --config configs/cpu_tiny.py --new_tokens 256 "
     "--out benchmarks/results/decode_speed_cpu.json": "decode_speed",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke": "fp8_hlo",
@@ -246,9 +254,12 @@ def test_every_documented_command_has_a_smoke_run():
                                   "pipeline_table_flags", "remat_table",
                                   "remat_table_baseline", "comm_bytes",
                                   "comm_bytes_smoke", "fp8_hlo", "attention_table",
-                                  "decode_speed"])
+                                  "decode_speed", "moe_table"])
 def test_documented_command(name, tmp_path):
     printed, result = run_smoke(name, tmp_path)
+    if name == "moe_table":
+        assert [r["impl"] for r in result["rows"]] == ["capacity", "ragged", "padded"]
+        assert result["rows"][0]["temp_vs_capacity"] == 1
     if name == "decode_speed":
         cached, recompute = result["rows"]
         assert (cached["side"], recompute["side"]) == ("cached", "recompute")

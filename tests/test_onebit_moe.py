@@ -89,7 +89,9 @@ def test_warmup_equals_adamw_on_a_moe_model():
      "pipeline.microbatches": 2, "model.num_layers": 3, "model.num_mtp_layers": 0},
     # The optimizer on the host view (hosts x workers per host): the experts' `data` there.
     {"optim.hierarchical": True, "mesh.dcn_data": 2},
-], ids=["pipeline", "hierarchical"])
+    # Dropless grouped GEMMs: the exchange body runs inside 1-bit Adam's shard_map.
+    {"model.moe_impl": "padded"},
+], ids=["pipeline", "hierarchical", "padded"])
 def test_warmup_equals_adamw_composed(overrides):
     """The warmup's equality with AdamW where 1-bit Adam meets the pipeline and the
     hierarchical reduction (AdamW has no hierarchical reduction: the plain one)."""

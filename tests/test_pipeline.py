@@ -729,30 +729,35 @@ def _moe_pipelined(mesh, schedule, microbatches, **overrides):
 
 
 @pytest.mark.parametrize(
-    "schedule, mesh, microbatches, repeats, expert_parallel, dense, mtp", [
-        ("gpipe", (2, 2, 2), 2, 1, True, 0, 0),
-        ("1f1b", (2, 2, 2), 2, 1, True, 0, 0),
+    "schedule, mesh, microbatches, repeats, expert_parallel, dense, mtp, impl", [
+        ("gpipe", (2, 2, 2), 2, 1, True, 0, 0, "capacity"),
+        ("1f1b", (2, 2, 2), 2, 1, True, 0, 0, "capacity"),
         # dense fallback: experts under GSPMD inside each stage, data and tensor both > 1
-        ("1f1b", (2, 2, 2), 2, 1, False, 0, 0),
-        ("gpipe", (2, 2, 2), 2, 1, False, 1, 0),
-        ("circular", (2, 2, 2), 2, 2, True, 0, 0),
+        ("1f1b", (2, 2, 2), 2, 1, False, 0, 0, "capacity"),
+        ("gpipe", (2, 2, 2), 2, 1, False, 1, 0, "capacity"),
+        ("circular", (2, 2, 2), 2, 2, True, 0, 0, "capacity"),
         # DeepSeek-V2/V3's layout: dense first blocks (on stage 0, before the stages), then MoE;
         # V3's MTP module (a MoE block) with the head.
-        ("gpipe", (2, 2, 2), 2, 1, True, 2, 1),
-        ("1f1b", (2, 2, 2), 2, 1, True, 1, 1),
-        ("circular", (2, 1, 4), 4, 1, True, 1, 0),
-        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 0, 0),
-        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 1, 1),
+        ("gpipe", (2, 2, 2), 2, 1, True, 2, 1, "capacity"),
+        ("1f1b", (2, 2, 2), 2, 1, True, 1, 1, "capacity"),
+        ("circular", (2, 1, 4), 4, 1, True, 1, 0, "capacity"),
+        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 0, 0, "capacity"),
+        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 1, 1, "capacity"),
+        # Dropless grouped GEMMs (docs/moe.md) under every schedule, both exchanges.
+        ("gpipe", (2, 2, 2), 2, 1, True, 0, 0, "padded"),
+        ("1f1b", (2, 2, 2), 2, 1, False, 0, 0, "padded"),
+        ("circular", (2, 2, 2), 2, 2, True, 0, 0, "ragged"),
+        ("interleaved_1f1b", (2, 2, 2), 2, 2, True, 1, 1, "padded"),
     ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_moe_schedule_matches_the_unpipelined_model(schedule, mesh, microbatches, repeats,
-                                                    expert_parallel, dense, mtp):
+                                                    expert_parallel, dense, mtp, impl):
     """Loss, gradients of loss + aux_loss, the aux loss and every layer's expert load of a MoE
     model, pipelined, against the plain decoder on one device with the same weights. `dense`:
     leading dense blocks (first_k_dense_replace) ahead of the 4 MoE blocks; `mtp`: MTP
     modules, whose MoE blocks' loads come after the layers'."""
     cfg = _moe_pipelined(mesh, schedule, microbatches, **{
         "pipeline.repeats": repeats, "model.expert_parallel": expert_parallel,
-        "model.num_layers": 4 + dense, "model.first_k_dense_replace": dense,
+        "model.moe_impl": impl, "model.num_layers": 4 + dense, "model.first_k_dense_replace": dense,
         "model.num_mtp_layers": mtp, "model.mtp_loss_weight": 0.5})
     trainer = train.build_trainer(cfg)
     state = trainer.init()

@@ -4,7 +4,9 @@ The one idea: routing picks, per token, k of E experts; the tokens are then *dis
 buffer [E, C, D] (C slots per expert, filled in token order), every expert runs one SwiGLU on its
 slots as a batched einsum, and the outputs are *combined* back, weighted by the router. With expert
 parallelism the same buffer is cut by expert owner and exchanged with one all-to-all each way
-inside `jax.shard_map`, so a device only ever holds its own experts' weights.
+inside `jax.shard_map`, so a device only ever holds its own experts' weights. That is
+`moe_impl='capacity'`; the dropless sorted-row implementations (`ragged`, `padded`) are in
+dsjax/model/moe_grouped.py and take over from the same routing (docs/moe.md).
 
 Routing (float32 always; the reference is Hugging Face `DeepseekV2TopkRouter` /
 `DeepseekV3TopkRouter`):
@@ -157,9 +159,9 @@ class MoE(nn.Module):
     capacity_factor: float
     expert_parallel: bool
     init_std: float
-    impl: str = "capacity"  # one of MOE_IMPLS (dsjax/config/validate.py)
-    tile: int = 0  # padded: rows per tile; 0 = per backend (moe_grouped.resolve_tile)
-    unroll: bool = False  # padded: unroll the tile scan (benchmarks count its FLOPs so)
+    impl: str  # one of MOE_IMPLS (dsjax/config/validate.py)
+    tile: int  # padded: rows per tile; 0 = per backend (moe_grouped.resolve_tile)
+    unroll: bool = False  # padded: unroll the tile loop (benchmarks count its FLOPs so)
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
 
@@ -272,8 +274,7 @@ class MoE(nn.Module):
         if impl := self._grouped():
             return moe_grouped.routed(
                 x_BSD.reshape(B * S, D), experts_TK, weights_BSK.reshape(B * S, K),
-                w_gate.astype(self.dtype), w_up.astype(self.dtype), w_down.astype(self.dtype),
-                impl=impl, tile=moe_grouped.resolve_tile(self.tile),
+                w_gate, w_up, w_down, impl=impl, tile=moe_grouped.resolve_tile(self.tile),
                 unroll=self.unroll).reshape(B, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(B * S, K, E, self.capacity_factor)
@@ -299,8 +300,8 @@ class MoE(nn.Module):
         if impl := self._grouped():
             return moe_grouped.exchange(
                 axis, x_bSD.reshape(b * S, D), experts_TK, weights_bSK.reshape(b * S, K),
-                w_gate.astype(self.dtype), w_up.astype(self.dtype), w_down.astype(self.dtype),
-                num_experts=E, impl=impl, tile=moe_grouped.resolve_tile(self.tile),
+                w_gate, w_up, w_down, num_experts=E, impl=impl,
+                tile=moe_grouped.resolve_tile(self.tile),
                 unroll=self.unroll).reshape(b, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(b * S, K, E, self.capacity_factor)

@@ -7,8 +7,8 @@ exists. Two grouped GEMMs:
   groups come out zero). It is exact-size only where the backend has a grouped kernel: XLA:CPU
   (and, reportedly, CUDA) expand it into a dense [rows, E, F] product.
 - `padded`: each expert's rows padded to a multiple of `tile`, at most A + E * (tile - 1) rows,
-  one dense [tile, D] x [D, F] GEMM per tile in a `lax.scan` with a hand-written VJP (the weight
-  gradient accumulates in place, per expert; no per-tile copy of a weight is kept).
+  one dense [tile, D] x [D, F] GEMM per tile that holds rows, in a loop with a hand-written VJP
+  (the weight gradient accumulates in place, per expert; no per-tile copy of a weight is kept).
 Letters: see dsjax/model/__init__.py; A assignments, M rows of the grouped layout, G groups.
 """
 
@@ -24,6 +24,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax.config.validate import MOE_IMPLS
+from dsjax.sharding import varying_axes
 
 GROUPED = ("ragged", "padded")  # the dropless grouped members of MOE_IMPLS
 CPU_TILE = 32  # padded rows per tile on XLA:CPU: within 1.08x of the routed rows at V2-Lite
@@ -56,10 +57,11 @@ def layout_rows(assignments: int, groups: int, tile: int | None) -> int:
 class Layout(NamedTuple):
     """Where each assignment's row goes. `row` [A]: its row (`rows` for an assignment of no
     group, which scatters and gathers drop); `sizes` [G]: rows per group; `tile_group` [M/tile]:
-    each tile's group (padded only, else None)."""
+    each tile's group and `used_tiles` []: the tiles that hold rows (padded only, else None)."""
     row: jax.Array
     sizes: jax.Array
     tile_group: jax.Array | None
+    used_tiles: jax.Array | None
     rows: int
 
 
@@ -77,13 +79,15 @@ def sort_rows(group_A: jax.Array, groups: int, tile: int | None) -> Layout:
     g = jnp.minimum(group_A, groups - 1)
     within = sorted_at - starts[g]
     if tile is None:
-        return Layout(jnp.where(valid, sorted_at, rows), sizes, None, rows)
+        return Layout(jnp.where(valid, sorted_at, rows), sizes, None, None, rows)
     padded = (sizes + tile - 1) // tile * tile
     ends = jnp.cumsum(padded)
     row = jnp.where(valid, ends[g] - padded[g] + within, rows)
     tile_starts = jnp.arange(rows // tile, dtype=jnp.int32) * tile
-    tile_group = jnp.minimum(jnp.searchsorted(ends, tile_starts, side="right"), groups - 1)
-    return Layout(row, sizes, tile_group.astype(jnp.int32), rows)
+    # The group whose padded rows hold the tile's start (a count, not jnp.searchsorted, which
+    # fails to trace inside a pipeline's shard_map in jax 0.10.2).
+    tile_group = jnp.sum(ends[None, :] <= tile_starts[:, None], axis=1, dtype=jnp.int32)
+    return Layout(row, sizes, jnp.minimum(tile_group, groups - 1), ends[-1] // tile, rows)
 
 
 def to_rows(x_AD: jax.Array, layout: Layout) -> jax.Array:
@@ -99,51 +103,75 @@ def from_rows(y_MD: jax.Array, layout: Layout) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# The padded grouped GEMM: one tile GEMM per step of a scan, with its own VJP.
+# The padded grouped GEMM: one tile GEMM per loop step, with its own VJP.
 
-def _tiles(a: jax.Array, tile: int) -> jax.Array:
-    return a.reshape(a.shape[0] // tile, tile, *a.shape[1:])
+def _varying_like(a: jax.Array, *others: jax.Array) -> jax.Array:
+    """`a` varying over every manual mesh axis any of `others` varies over (inside a
+    shard_map, a loop's carry must keep one type through the loop)."""
+    axes = set().union(*map(varying_axes, others)) - varying_axes(a)
+    return lax.pcast(a, tuple(sorted(axes)), to="varying") if axes else a
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def tiled_matmul(x_MD: jax.Array, w_GDF: jax.Array, tile_group: jax.Array,
+def _tile_loop(layout_tiles: int, used: jax.Array, body, init, unroll: bool):
+    """body(i, carry) over the tiles that hold rows: [0, used) (a while loop: a tile past the
+    rows costs nothing, which matters for expert parallelism's receive slots), or, unrolled,
+    over all `layout_tiles` (so that `cost_analysis` counts the static bound; benchmarks)."""
+    if unroll:
+        return lax.fori_loop(0, layout_tiles, body, init, unroll=True)
+    return lax.fori_loop(0, used, body, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def tiled_matmul(x_MD: jax.Array, w_GDF: jax.Array, tile_group: jax.Array, used: jax.Array,
                  unroll: bool = False) -> jax.Array:
-    """[M, D] rows x per-tile weights w[tile_group] -> [M, F]. `unroll` unrolls the scan (so
-    that `cost_analysis` counts every tile; benchmarks only)."""
-    return _tiled_forward(x_MD, w_GDF, tile_group, unroll)
+    """[M, D] rows x per-tile weights w[tile_group] -> [M, F] (rows of tiles >= `used`
+    zero). w stays in its own dtype (the parameters'): each tile casts its slice to x's, and
+    the weight gradient accumulates in float32 and returns in w's dtype, with no whole-tensor
+    cast of either."""
+    return _tiled_forward(x_MD, w_GDF, tile_group, used, unroll)
 
 
-def _tiled_forward(x_MD, w_GDF, tile_group, unroll):
+def _tiled_forward(x_MD, w_GDF, tile_group, used, unroll):
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
 
-    def step(_, xs):
-        x_tD, g = xs
-        return None, jnp.dot(x_tD, w_GDF[g], preferred_element_type=x_MD.dtype)
+    def step(i, y_MF):
+        x_tD = lax.dynamic_slice_in_dim(x_MD, i * tile, tile)
+        w_DF = lax.dynamic_index_in_dim(w_GDF, tile_group[i], keepdims=False).astype(x_MD.dtype)
+        y_tF = jnp.dot(x_tD, w_DF, preferred_element_type=x_MD.dtype)
+        return lax.dynamic_update_slice_in_dim(y_MF, y_tF, i * tile, 0)
 
-    _, y = lax.scan(step, None, (_tiles(x_MD, tile), tile_group), unroll=n if unroll else 1)
-    return y.reshape(x_MD.shape[0], w_GDF.shape[-1])
+    y0 = jnp.zeros((x_MD.shape[0], w_GDF.shape[-1]), x_MD.dtype)
+    return _tile_loop(n, used, step, _varying_like(y0, x_MD, w_GDF, tile_group, used), unroll)
 
 
-def _tiled_fwd(x_MD, w_GDF, tile_group, unroll):
-    return _tiled_forward(x_MD, w_GDF, tile_group, unroll), (x_MD, w_GDF, tile_group)
+def _tiled_fwd(x_MD, w_GDF, tile_group, used, unroll):
+    return (_tiled_forward(x_MD, w_GDF, tile_group, used, unroll),
+            (x_MD, w_GDF, tile_group, used))
 
 
 def _tiled_bwd(unroll, res, dy_MF):
-    x_MD, w_GDF, tile_group = res
+    x_MD, w_GDF, tile_group, used = res
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
+    dy_MF = dy_MF.astype(x_MD.dtype)
 
-    def step(dw_GDF, xs):
-        x_tD, dy_tF, g = xs
-        dx_tD = jnp.dot(dy_tF, w_GDF[g].T, preferred_element_type=x_MD.dtype)
-        dw = jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
-        return lax.dynamic_update_index_in_dim(dw_GDF, dw_GDF[g] + dw, g, 0), dx_tD
+    def step(i, carry):
+        dx_MD, dw_GDF = carry
+        g = tile_group[i]
+        x_tD = lax.dynamic_slice_in_dim(x_MD, i * tile, tile)
+        dy_tF = lax.dynamic_slice_in_dim(dy_MF, i * tile, tile)
+        w_DF = lax.dynamic_index_in_dim(w_GDF, g, keepdims=False).astype(x_MD.dtype)
+        dx_tD = jnp.dot(dy_tF, w_DF.T, preferred_element_type=x_MD.dtype)
+        dw_DF = jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
+        return (lax.dynamic_update_slice_in_dim(dx_MD, dx_tD, i * tile, 0),
+                lax.dynamic_update_index_in_dim(dw_GDF, dw_GDF[g] + dw_DF, g, 0))
 
-    dw_GDF, dx = lax.scan(step, jnp.zeros(w_GDF.shape, jnp.float32),
-                          (_tiles(x_MD, tile), _tiles(dy_MF.astype(x_MD.dtype), tile),
-                           tile_group), unroll=n if unroll else 1)
-    return dx.reshape(x_MD.shape), dw_GDF.astype(w_GDF.dtype), None
+    others = (x_MD, dy_MF, w_GDF, tile_group, used)
+    init = (_varying_like(jnp.zeros_like(x_MD), *others),
+            _varying_like(jnp.zeros(w_GDF.shape, jnp.float32), *others))
+    dx_MD, dw_GDF = _tile_loop(n, used, step, init, unroll)
+    return dx_MD, dw_GDF.astype(w_GDF.dtype), None, None
 
 
 tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
@@ -151,10 +179,11 @@ tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 
 def grouped_matmul(x_MD: jax.Array, w_GDF: jax.Array, layout: Layout, *,
                    unroll: bool = False) -> jax.Array:
-    """Rows of group g times w[g]: `ragged_dot` (layout without tiles) or the padded scan."""
+    """Rows of group g times w[g]: `ragged_dot` (layout without tiles) or the padded tile loop."""
     if layout.tile_group is None:
-        return lax.ragged_dot(x_MD, w_GDF, layout.sizes, preferred_element_type=x_MD.dtype)
-    return tiled_matmul(x_MD, w_GDF, layout.tile_group, unroll)
+        return lax.ragged_dot(x_MD, w_GDF.astype(x_MD.dtype), layout.sizes,
+                              preferred_element_type=x_MD.dtype)
+    return tiled_matmul(x_MD, w_GDF, layout.tile_group, layout.used_tiles, unroll)
 
 
 def grouped_swiglu(x_MD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -163,10 +192,10 @@ def grouped_swiglu(x_MD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
     zero (silu(0) * 0 = 0), so they add nothing to any gradient."""
     dtype = x_MD.dtype
     mm = functools.partial(grouped_matmul, layout=layout, unroll=unroll)
-    gate_MF = mm(x_MD, w_gate.astype(dtype))
-    up_MF = mm(x_MD, w_up.astype(dtype))
+    gate_MF = mm(x_MD, w_gate)
+    up_MF = mm(x_MD, w_up)
     hidden_MF = checkpoint_name(jax.nn.silu(gate_MF) * up_MF, "mlp_hidden")
-    return mm(hidden_MF, w_down.astype(dtype))
+    return mm(hidden_MF.astype(dtype), w_down)
 
 
 def routed(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, w_gate: jax.Array,
