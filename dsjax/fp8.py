@@ -132,7 +132,7 @@ def _gemm_emulated(a: jax.Array, b: jax.Array, a_contract, b_contract, out: Any 
                            preferred_element_type=jnp.float32).astype(out)
 
 
-def _scaled_gemm(a: jax.Array, b: jax.Array, a_contract, b_contract, scale: jax.Array,
+def scaled_gemm(a: jax.Array, b: jax.Array, a_contract, b_contract, scale: jax.Array,
                  out: Any, gemm=_gemm) -> jax.Array:
     """(a . b) * scale with a scalar `scale`, written in `out`: a GEMM that emits `out` itself
     and a multiply in `out`, the pattern cuBLASLt takes whole (the scalar becomes its scale
@@ -174,7 +174,7 @@ def _forward(spec: _Spec, x, w, scale, prepared=None, gemm=_gemm):
         sw = _pick(scale[W], seen[W], E4M3, spec.recipe)
         xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
     if spec.recipe != "rowwise":
-        y = _scaled_gemm(xq, wq, spec.x_contract, spec.w_contract, sx * sw, spec.out_dtype,
+        y = scaled_gemm(xq, wq, spec.x_contract, spec.w_contract, sx * sw, spec.out_dtype,
                          gemm)
         res = (xq, sx, wq, sw, scale[G], seen)
     res = tuple(checkpoint_name(r, FP8_RESIDUAL) for r in res)
@@ -203,7 +203,7 @@ def _backward(spec: _Spec, res, dy, gemm=_gemm):
         sg = _pick(g_meta_scale, seen_g[0], E5M2, spec.recipe)
         gq = quantize(dy, sg, E5M2)
         # dx goes on in the activations' dtype; dw stays float32 (it is accumulated).
-        dx = _scaled_gemm(gq, wq, dy_w, spec.w_free, sg * sw, spec.x_dtype, gemm)
+        dx = scaled_gemm(gq, wq, dy_w, spec.w_free, sg * sw, spec.x_dtype, gemm)
         dw = gemm(gq, xq, dy_x, spec.x_free) * (sg * sx)
     dx = _transpose(dx, spec.dx_perm).astype(spec.x_dtype)
     dw = _transpose(dw, spec.dw_perm).astype(spec.w_dtype)

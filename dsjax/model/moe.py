@@ -165,16 +165,20 @@ class MoE(nn.Module):
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
 
-    def _grouped(self) -> str | None:
-        """The grouped implementation this layer runs (`ragged` or `padded`), None for the
-        capacity buffers."""
+    def _grouped(self) -> moe_grouped.Grouped | None:
+        """How this layer runs its grouped GEMMs (`ragged` or `padded`); None for the capacity
+        buffers."""
         impl = moe_grouped.resolve_impl(self.impl)
         if impl not in moe_grouped.GROUPED:
             return None
-        if self.fp8_policy is not None and any(map(self.fp8_policy.runs, ("gate", "up", "down"))):
-            raise NotImplementedError("fp8 routed experts run with model.moe_impl='capacity' "
-                                      "only (dsjax.config.compositions says why)")
-        return impl
+        policy = self.fp8_policy
+        in_fp8 = tuple(policy is not None and policy.runs(n) for n in ("gate", "up", "down"))
+        if any(in_fp8) and (impl != "padded" or policy.recipe != "current"):
+            raise NotImplementedError(f"fp8 routed experts in grouped GEMMs: moe_impl 'padded' "
+                                      f"with fp8.recipe 'current' only, got {impl!r} and "
+                                      f"{policy.recipe!r} (dsjax.config.compositions says why)")
+        return moe_grouped.Grouped(impl, moe_grouped.resolve_tile(self.tile), self.unroll,
+                                   in_fp8)
 
     def _expert_metas(self) -> dict[str, fp8.Fp8Meta]:
         """Delayed scaling: one amax history per expert and projection, `Fp8Meta` leaves with a
@@ -271,11 +275,10 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         E, K = self.num_experts, self.experts_per_token
         experts_TK = experts_BSK.reshape(B * S, K)
-        if impl := self._grouped():
-            return moe_grouped.routed(
-                x_BSD.reshape(B * S, D), experts_TK, weights_BSK.reshape(B * S, K),
-                w_gate, w_up, w_down, impl=impl, tile=moe_grouped.resolve_tile(self.tile),
-                unroll=self.unroll).reshape(B, S, D)
+        if how := self._grouped():
+            return moe_grouped.routed(x_BSD.reshape(B * S, D), experts_TK,
+                                      weights_BSK.reshape(B * S, K), w_gate, w_up, w_down,
+                                      how).reshape(B, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(B * S, K, E, self.capacity_factor)
         x_ECD = dispatch(x_BSD.reshape(B * S, D), experts_TK, slots_TK, E, cap)
@@ -297,12 +300,10 @@ class MoE(nn.Module):
         W = lax.axis_size(axis)
         e = E // W
         experts_TK = experts_bSK.reshape(b * S, K)
-        if impl := self._grouped():
-            return moe_grouped.exchange(
-                axis, x_bSD.reshape(b * S, D), experts_TK, weights_bSK.reshape(b * S, K),
-                w_gate, w_up, w_down, num_experts=E, impl=impl,
-                tile=moe_grouped.resolve_tile(self.tile),
-                unroll=self.unroll).reshape(b, S, D)
+        if how := self._grouped():
+            return moe_grouped.exchange(axis, x_bSD.reshape(b * S, D), experts_TK,
+                                        weights_bSK.reshape(b * S, K), w_gate, w_up, w_down, E,
+                                        how).reshape(b, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(b * S, K, E, self.capacity_factor)
         send_ECD = dispatch(x_bSD.reshape(b * S, D), experts_TK, slots_TK, E, cap)
