@@ -148,7 +148,7 @@ def scaled_gemm(a: jax.Array, b: jax.Array, a_contract, b_contract, scale: jax.A
 # The custom VJP. `scale` and `amax` are the delayed-scaling inputs (constants otherwise); the
 # gradient of `amax` carries the observed amaxes out of the backward pass.
 
-def _pick(meta_scale: jax.Array, observed: jax.Array, dtype: Any, recipe: str) -> jax.Array:
+def pick_scale(meta_scale: jax.Array, observed: jax.Array, dtype: Any, recipe: str) -> jax.Array:
     fresh = current_scale(observed, dtype)
     if recipe == "current":
         return fresh
@@ -166,12 +166,12 @@ def _forward(spec: _Spec, x, w, scale, prepared=None, gemm=_gemm):
         res = (xq_t, sx_t, wq_t, sw_t, scale[G], jnp.zeros((2,), jnp.float32))
     elif prepared is not None:  # w quantised ahead (`prepare_weight`): the same values
         seen = jnp.stack([amax(x), prepared.amax])
-        sx = _pick(scale[X], seen[X], E4M3, spec.recipe)
+        sx = pick_scale(scale[X], seen[X], E4M3, spec.recipe)
         xq, wq, sw = quantize(x, sx, E4M3), prepared.q, prepared.scale
     else:
         seen = jnp.stack([amax(x), amax(w)])
-        sx = _pick(scale[X], seen[X], E4M3, spec.recipe)
-        sw = _pick(scale[W], seen[W], E4M3, spec.recipe)
+        sx = pick_scale(scale[X], seen[X], E4M3, spec.recipe)
+        sw = pick_scale(scale[W], seen[W], E4M3, spec.recipe)
         xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
     if spec.recipe != "rowwise":
         y = scaled_gemm(xq, wq, spec.x_contract, spec.w_contract, sx * sw, spec.out_dtype,
@@ -200,7 +200,7 @@ def _backward(spec: _Spec, res, dy, gemm=_gemm):
         seen_g = jnp.zeros((1,), jnp.float32)
     else:
         seen_g = amax(dy)[None]
-        sg = _pick(g_meta_scale, seen_g[0], E5M2, spec.recipe)
+        sg = pick_scale(g_meta_scale, seen_g[0], E5M2, spec.recipe)
         gq = quantize(dy, sg, E5M2)
         # dx goes on in the activations' dtype; dw stays float32 (it is accumulated).
         dx = scaled_gemm(gq, wq, dy_w, spec.w_free, sg * sw, spec.x_dtype, gemm)
@@ -313,7 +313,7 @@ def prepare_weight(w: jax.Array, recipe: str, lead: int = 0,
     w = lax.stop_gradient(w)
     seen = amax(w, axis=tuple(range(lead, w.ndim)))
     meta_scale = jnp.zeros_like(seen) if meta_scale is None else lax.stop_gradient(meta_scale)
-    scale = _pick(meta_scale, seen, E4M3, recipe)
+    scale = pick_scale(meta_scale, seen, E4M3, recipe)
     return Fp8Weight(quantize(w, scale.reshape(scale.shape + (1,) * (w.ndim - lead)), E4M3),
                      scale, seen)
 

@@ -453,18 +453,21 @@ def test_experts_run_fp8_gemms_and_train_with_remat():
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False])
-def test_delayed_fp8_experts_scale_per_expert_like_current_scaling(expert_parallel):
+@pytest.mark.parametrize("expert_parallel, impl", [
+    (True, "capacity"), (False, "capacity"), (True, "padded"), (False, "padded")],
+    ids=["True", "False", "padded-ep", "padded"])
+def test_delayed_fp8_experts_scale_per_expert_like_current_scaling(expert_parallel, impl):
     """Delayed scaling of the routed experts: one amax history per expert and projection
     ([layers, E, ...]). After one observation of a batch is committed, each scale is that
     batch's amax / fp8_max, which current scaling computes from the same tensors; so on that
     batch the delayed model's loss and gradients equal the current-scaling model's, expert by
     expert (one shared scale per projection would not). Experts over `data` (all-to-all
-    shard_map) and the dense fallback."""
+    shard_map) and the dense fallback; the capacity buffers and the padded grouped GEMMs."""
     from dsjax import fp8  # pylint: disable=import-outside-toplevel
     from dsjax.model.loss import loss_fn  # pylint: disable=import-outside-toplevel
 
     flags = {"model.first_k_dense_replace": 0, "model.expert_parallel": expert_parallel,
+             "model.moe_impl": impl,
              "train.compute_dtype": "fp8", "fp8.other_dtype": "float32", "fp8.history_len": 4}
     delayed, current = _trainer(**flags, **{"fp8.recipe": "delayed"}), _trainer(**flags)
     state = delayed.init()

@@ -169,7 +169,7 @@ MOE_FLAGS = {"model.num_layers": 3, "model.hidden_size": 64, "model.mlp_dim": 12
     ({"model.moe_impl": "grouped"}, "model.moe_impl"),
     ({"model.moe_impl": "padded", "model.capacity_factor": 1.25}, "model.capacity_factor"),
     ({"model.moe_impl": "ragged", "train.compute_dtype": "fp8"}, "model.moe_impl"),
-    ({"model.moe_impl": "auto", "train.compute_dtype": "fp8", "fp8.recipe": "delayed"},
+    ({"model.moe_impl": "auto", "train.compute_dtype": "fp8", "fp8.recipe": "rowwise"},
      "fp8.recipe"),
     ({"model.moe_tile": -1}, "model.moe_tile"),
 ])

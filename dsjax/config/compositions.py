@@ -43,17 +43,16 @@ def compositions(cfg: Config) -> None:
                           "a dense model has no experts to place over `data`")
     if (fp8 and m.is_moe and m.moe_impl != "capacity"
             and {"gate", "up", "down"} & set(f.matmul_names)):
-        # The padded tile loop scales per expert with current scaling; an amax history per
-        # expert (delayed), per-row scales (rowwise) and ragged_dot's fp8 backward are not
-        # written for the grouped GEMMs.
+        # The padded tile loop scales per expert (current or delayed); per-row scales
+        # (rowwise) and ragged_dot's fp8 backward are not written for the grouped GEMMs.
         if m.moe_impl == "ragged":
             raise ConfigError("model.moe_impl: fp8 routed experts run in the padded grouped "
                               "GEMMs, not ragged ('auto' picks padded on CPU and GPU); use "
                               "moe_impl='padded', or leave gate, up, down out of fp8.matmuls")
-        if f.recipe != "current":
-            raise ConfigError(f"fp8.recipe: {f.recipe!r} for routed experts needs "
+        if f.recipe == "rowwise":
+            raise ConfigError(f"fp8.recipe: 'rowwise' for routed experts needs "
                               f"model.moe_impl='capacity'; the grouped GEMMs ({m.moe_impl!r}) "
-                              f"scale each expert with the 'current' recipe")
+                              f"scale each expert with the 'current' or 'delayed' recipe")
 
     # 1-bit Adam.
     if o.hierarchical and o.name != "onebit_adam":

@@ -172,13 +172,15 @@ class MoE(nn.Module):
         if impl not in moe_grouped.GROUPED:
             return None
         policy = self.fp8_policy
-        in_fp8 = tuple(policy is not None and policy.runs(n) for n in ("gate", "up", "down"))
-        if any(in_fp8) and (impl != "padded" or policy.recipe != "current"):
+        recipes = tuple(policy.recipe if policy is not None and policy.runs(n) else None
+                        for n in ("gate", "up", "down"))
+        if any(recipes) and (impl != "padded" or policy.recipe == "rowwise"):
             raise NotImplementedError(f"fp8 routed experts in grouped GEMMs: moe_impl 'padded' "
-                                      f"with fp8.recipe 'current' only, got {impl!r} and "
-                                      f"{policy.recipe!r} (dsjax.config.compositions says why)")
+                                      f"with fp8.recipe 'current' or 'delayed' only, got "
+                                      f"{impl!r} and {policy.recipe!r} "
+                                      f"(dsjax.config.compositions says why)")
         return moe_grouped.Grouped(impl, moe_grouped.resolve_tile(self.tile), self.unroll,
-                                   in_fp8)
+                                   recipes)
 
     def _expert_metas(self) -> dict[str, fp8.Fp8Meta]:
         """Delayed scaling: one amax history per expert and projection, `Fp8Meta` leaves with a
@@ -278,7 +280,7 @@ class MoE(nn.Module):
         if how := self._grouped():
             return moe_grouped.routed(x_BSD.reshape(B * S, D), experts_TK,
                                       weights_BSK.reshape(B * S, K), w_gate, w_up, w_down,
-                                      how).reshape(B, S, D)
+                                      how, metas).reshape(B, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(B * S, K, E, self.capacity_factor)
         x_ECD = dispatch(x_BSD.reshape(B * S, D), experts_TK, slots_TK, E, cap)
@@ -303,7 +305,7 @@ class MoE(nn.Module):
         if how := self._grouped():
             return moe_grouped.exchange(axis, x_bSD.reshape(b * S, D), experts_TK,
                                         weights_bSK.reshape(b * S, K), w_gate, w_up, w_down, E,
-                                        how).reshape(b, S, D)
+                                        how, metas).reshape(b, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(b * S, K, E, self.capacity_factor)
         send_ECD = dispatch(x_bSD.reshape(b * S, D), experts_TK, slots_TK, E, cap)

@@ -128,74 +128,89 @@ def _group_amax(a_MX: jax.Array, tile_group: jax.Array, groups: int) -> jax.Arra
     return jnp.zeros((groups,), jnp.float32).at[tile_group].max(tiles)
 
 
-def _fp8_weights(w_GDF: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each expert's weight in e4m3 with its own current scale: ([G, D, F] fp8, scales [G])."""
-    sw = fp8.current_scale(fp8.amax(w_GDF, axis=(1, 2)), fp8.E4M3)
-    return fp8.quantize(w_GDF, sw[:, None, None], fp8.E4M3), sw
+class _Scales(NamedTuple):
+    """Per-expert fp8 scales of one grouped GEMM: activations, weights, output gradients."""
+    x: jax.Array
+    w: jax.Array
+    wq: jax.Array  # the weights in e4m3 [G, D, F]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_scales(x_MD, w_GDF, tile_group, meta_scale, recipe) -> tuple[_Scales, jax.Array]:
+    """Each expert's scales, from the delayed state where it has one (`fp8.pick_scale`), else
+    from the amax of the expert's rows and of its weight; and those amaxes [G, 2]."""
+    seen = jnp.stack([_group_amax(x_MD, tile_group, w_GDF.shape[0]),
+                      fp8.amax(w_GDF, axis=(1, 2))], axis=1)
+    sx = fp8.pick_scale(meta_scale[:, fp8.X], seen[:, 0], fp8.E4M3, recipe)
+    sw = fp8.pick_scale(meta_scale[:, fp8.W], seen[:, 1], fp8.E4M3, recipe)
+    return _Scales(sx, sw, fp8.quantize(w_GDF, sw[:, None, None], fp8.E4M3)), seen
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def tiled_matmul(x_MD: jax.Array, w_GDF: jax.Array, tile_group: jax.Array, used: jax.Array,
-                 unroll: bool = False, in_fp8: bool = False) -> jax.Array:
+                 meta_scale: jax.Array, meta_amax: jax.Array, unroll: bool = False,
+                 recipe: str | None = None) -> jax.Array:
     """[M, D] rows x per-tile weights w[tile_group] -> [M, F] (rows of tiles >= `used`
     zero). w stays in its own dtype (the parameters'): each tile casts its slice to x's, and
     the weight gradient accumulates in float32 and returns in w's dtype, with no whole-tensor
-    cast of either. `in_fp8`: fp8 GEMMs with current scaling per expert, as the capacity
-    buffers' per-expert `fp8_einsum` (e4m3 operands, e5m2 output gradients, one scale per
-    expert and tensor from the amax of that expert's rows)."""
-    return _tiled_forward(x_MD, w_GDF, tile_group, used, unroll, in_fp8)
+    cast of either. `recipe` ('current' or 'delayed'; None: no fp8): fp8 GEMMs with one scale
+    per expert and tensor, as the capacity buffers' per-expert `fp8_einsum` (e4m3 operands,
+    e5m2 output gradients; current scales from the amax of the expert's rows). `meta_scale`,
+    `meta_amax` [G, 3]: the delayed state's scales and amax leaf (`fp8.Fp8Meta` rows X, W, G;
+    zeros otherwise); the observed amaxes leave as the amax leaf's cotangent."""
+    return _tiled_forward(x_MD, w_GDF, tile_group, used, meta_scale, unroll, recipe)[0]
 
 
-def _tiled_forward(x_MD, w_GDF, tile_group, used, unroll, in_fp8):
+def _tiled_forward(x_MD, w_GDF, tile_group, used, meta_scale, unroll, recipe):
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
-    if in_fp8:
-        sx = fp8.current_scale(_group_amax(x_MD, tile_group, w_GDF.shape[0]), fp8.E4M3)
-        wq, sw = _fp8_weights(w_GDF)
+    if recipe:
+        scales, seen = _fp8_scales(x_MD, w_GDF, tile_group, meta_scale, recipe)
 
     def step(i, y_MF):
         g = tile_group[i]
         x_tD = lax.dynamic_slice_in_dim(x_MD, i * tile, tile)
-        if in_fp8:
-            y_tF = fp8.scaled_gemm(fp8.quantize(x_tD, sx[g], fp8.E4M3),
-                                   lax.dynamic_index_in_dim(wq, g, keepdims=False), (1,), (0,),
-                                   sx[g] * sw[g], x_MD.dtype)
+        if recipe:
+            y_tF = fp8.scaled_gemm(fp8.quantize(x_tD, scales.x[g], fp8.E4M3),
+                                   lax.dynamic_index_in_dim(scales.wq, g, keepdims=False), (1,),
+                                   (0,), scales.x[g] * scales.w[g], x_MD.dtype)
         else:
             w_DF = lax.dynamic_index_in_dim(w_GDF, g, keepdims=False).astype(x_MD.dtype)
             y_tF = jnp.dot(x_tD, w_DF, preferred_element_type=x_MD.dtype)
         return lax.dynamic_update_slice_in_dim(y_MF, y_tF.astype(x_MD.dtype), i * tile, 0)
 
     y0 = jnp.zeros((x_MD.shape[0], w_GDF.shape[-1]), x_MD.dtype)
-    return _tile_loop(n, used, step, _varying_like(y0, x_MD, w_GDF, tile_group, used), unroll)
+    y = _tile_loop(n, used, step, _varying_like(y0, x_MD, w_GDF, tile_group, used), unroll)
+    return y, (seen if recipe else None)
 
 
-def _tiled_fwd(x_MD, w_GDF, tile_group, used, unroll, in_fp8):
-    return (_tiled_forward(x_MD, w_GDF, tile_group, used, unroll, in_fp8),
-            (x_MD, w_GDF, tile_group, used))
+def _tiled_fwd(x_MD, w_GDF, tile_group, used, meta_scale, meta_amax, unroll, recipe):
+    y, _ = _tiled_forward(x_MD, w_GDF, tile_group, used, meta_scale, unroll, recipe)
+    return y, (x_MD, w_GDF, tile_group, used, meta_scale, meta_amax)
 
 
-def _tiled_bwd(unroll, in_fp8, res, dy_MF):
-    x_MD, w_GDF, tile_group, used = res
+def _tiled_bwd(unroll, recipe, res, dy_MF):
+    x_MD, w_GDF, tile_group, used, meta_scale, meta_amax = res
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
     dy_MF = dy_MF.astype(x_MD.dtype)
-    if in_fp8:  # the forward's quantised operands, recomputed (the same values)
-        groups = w_GDF.shape[0]
-        sx = fp8.current_scale(_group_amax(x_MD, tile_group, groups), fp8.E4M3)
-        sg = fp8.current_scale(_group_amax(dy_MF, tile_group, groups), fp8.E5M2)
-        wq, sw = _fp8_weights(w_GDF)
+    observed = jnp.zeros_like(meta_amax, jnp.float32)
+    if recipe:  # the forward's quantised operands, recomputed (the same values)
+        scales, seen = _fp8_scales(x_MD, w_GDF, tile_group, meta_scale, recipe)
+        seen_g = _group_amax(dy_MF, tile_group, w_GDF.shape[0])
+        sg = fp8.pick_scale(meta_scale[:, fp8.G], seen_g, fp8.E5M2, recipe)
+        observed = jnp.concatenate([seen, seen_g[:, None]], axis=1)
 
     def step(i, carry):
         dx_MD, dw_GDF = carry
         g = tile_group[i]
         x_tD = lax.dynamic_slice_in_dim(x_MD, i * tile, tile)
         dy_tF = lax.dynamic_slice_in_dim(dy_MF, i * tile, tile)
-        if in_fp8:
-            xq = fp8.quantize(x_tD, sx[g], fp8.E4M3)
+        if recipe:
+            xq = fp8.quantize(x_tD, scales.x[g], fp8.E4M3)
             gq = fp8.quantize(dy_tF, sg[g], fp8.E5M2)
-            dx_tD = fp8.scaled_gemm(gq, lax.dynamic_index_in_dim(wq, g, keepdims=False), (1,),
-                                    (1,), sg[g] * sw[g], x_MD.dtype)
-            dw_DF = fp8.scaled_gemm(xq, gq, (0,), (0,), sx[g] * sg[g], jnp.float32)
+            dx_tD = fp8.scaled_gemm(gq, lax.dynamic_index_in_dim(scales.wq, g, keepdims=False),
+                                    (1,), (1,), sg[g] * scales.w[g], x_MD.dtype)
+            dw_DF = fp8.scaled_gemm(xq, gq, (0,), (0,), scales.x[g] * sg[g], jnp.float32)
         else:
             w_DF = lax.dynamic_index_in_dim(w_GDF, g, keepdims=False).astype(x_MD.dtype)
             dx_tD = jnp.dot(dy_tF, w_DF.T, preferred_element_type=x_MD.dtype)
@@ -207,21 +222,28 @@ def _tiled_bwd(unroll, in_fp8, res, dy_MF):
     init = (_varying_like(jnp.zeros_like(x_MD), *others),
             _varying_like(jnp.zeros(w_GDF.shape, jnp.float32), *others))
     dx_MD, dw_GDF = _tile_loop(n, used, step, init, unroll)
-    return dx_MD, dw_GDF.astype(w_GDF.dtype), None, None
+    return (dx_MD, dw_GDF.astype(w_GDF.dtype), None, None, jnp.zeros_like(meta_scale),
+            lax.convert_element_type(observed, meta_amax.dtype))
 
 
 tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def grouped_matmul(x_MD: jax.Array, w_GDF: jax.Array, layout: Layout, *, unroll: bool = False,
-                   in_fp8: bool = False) -> jax.Array:
+                   recipe: str | None = None, meta: fp8.Fp8Meta | None = None) -> jax.Array:
     """Rows of group g times w[g]: `ragged_dot` (layout without tiles) or the padded tile loop
-    (the one with fp8: `ragged_dot`'s fp8 backward is not written)."""
+    (the one with fp8: `ragged_dot`'s fp8 backward is not written). `meta`: the delayed
+    recipe's per-expert state ([G, ...] leaves)."""
     if layout.tile_group is None:
-        assert not in_fp8, "fp8 grouped GEMMs need moe_impl='padded'"
+        assert recipe is None, "fp8 grouped GEMMs need moe_impl='padded'"
         return lax.ragged_dot(x_MD, w_GDF.astype(x_MD.dtype), layout.sizes,
                               preferred_element_type=x_MD.dtype)
-    return tiled_matmul(x_MD, w_GDF, layout.tile_group, layout.used_tiles, unroll, in_fp8)
+    if meta is None:
+        meta_scale = meta_amax = jnp.zeros((w_GDF.shape[0], 3), jnp.float32)
+    else:
+        meta_scale, meta_amax = lax.stop_gradient(meta.scale), meta.amax
+    return tiled_matmul(x_MD, w_GDF, layout.tile_group, layout.used_tiles, meta_scale,
+                        meta_amax, unroll, recipe)
 
 
 class Grouped(NamedTuple):
@@ -229,33 +251,36 @@ class Grouped(NamedTuple):
     impl: str  # ragged | padded (resolved: not auto)
     tile: int  # padded: rows per tile (resolved: not 0)
     unroll: bool = False  # padded: unroll the tile loop (benchmarks count its FLOPs so)
-    fp8: tuple[bool, bool, bool] = (False, False, False)  # gate, up, down as fp8 GEMMs (padded)
+    fp8: tuple[str | None, ...] = (None, None, None)  # gate, up, down: fp8 recipe or None
 
     def layout(self, group_A: jax.Array, groups: int) -> Layout:
         return sort_rows(group_A, groups, self.tile if self.impl == "padded" else None)
 
 
 def grouped_swiglu(x_MD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                   layout: Layout, how: Grouped) -> jax.Array:
+                   layout: Layout, how: Grouped, metas: dict[str, fp8.Fp8Meta]) -> jax.Array:
     """Each row through its expert's SwiGLU: down(silu(x gate) * (x up)). Padding rows stay
-    zero (silu(0) * 0 = 0), so they add nothing to any gradient."""
+    zero (silu(0) * 0 = 0), so they add nothing to any gradient. `metas`: delayed fp8 state by
+    projection name ({} otherwise)."""
     dtype = x_MD.dtype
-    gate_f8, up_f8, down_f8 = how.fp8
-    mm = functools.partial(grouped_matmul, layout=layout, unroll=how.unroll)
-    gate_MF = mm(x_MD, w_gate, in_fp8=gate_f8)
-    up_MF = mm(x_MD, w_up, in_fp8=up_f8)
+    mm = lambda name, x, w: grouped_matmul(x, w, layout, unroll=how.unroll,
+                                           recipe=how.fp8[("gate", "up", "down").index(name)],
+                                           meta=metas.get(name))
+    gate_MF = mm("gate", x_MD, w_gate)
+    up_MF = mm("up", x_MD, w_up)
     hidden_MF = checkpoint_name(jax.nn.silu(gate_MF) * up_MF, "mlp_hidden")
-    return mm(hidden_MF.astype(dtype), w_down, in_fp8=down_f8)
+    return mm("down", hidden_MF.astype(dtype), w_down)
 
 
 def routed(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, w_gate: jax.Array,
-           w_up: jax.Array, w_down: jax.Array, how: Grouped) -> jax.Array:
+           w_up: jax.Array, w_down: jax.Array, how: Grouped,
+           metas: dict[str, fp8.Fp8Meta] | None = None) -> jax.Array:
     """sum_k weight_k * expert_k(x), all experts local: sort, grouped SwiGLU, gather back."""
     T, D = x_TD.shape
     K = experts_TK.shape[1]
     layout = how.layout(experts_TK.reshape(-1), w_gate.shape[0])
     x_MD = to_rows(jnp.repeat(x_TD, K, axis=0), layout)
-    y_MD = checkpoint_name(grouped_swiglu(x_MD, w_gate, w_up, w_down, layout, how),
+    y_MD = checkpoint_name(grouped_swiglu(x_MD, w_gate, w_up, w_down, layout, how, metas or {}),
                            "moe_routed")
     y_TKD = from_rows(y_MD, layout).reshape(T, K, D)
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))
@@ -263,7 +288,7 @@ def routed(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, w_gate
 
 def exchange(axis: str, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
              w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, num_experts: int,
-             how: Grouped) -> jax.Array:
+             how: Grouped, metas: dict[str, fp8.Fp8Meta] | None = None) -> jax.Array:
     """Expert parallelism's body, inside a shard_map manual over `axis` (W devices, e = E / W
     experts each, expert j on device j // e). Each device sends every peer the rows routed to
     its experts, in a slot of A rows per peer (the static bound: XLA:CPU cannot run
@@ -285,7 +310,8 @@ def exchange(axis: str, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.
     recv_x = lax.all_to_all(send_x.reshape(W, A, D), axis, 0, 0, tiled=True).reshape(W * A, D)
     recv_e = lax.all_to_all(send_e.reshape(W, A), axis, 0, 0, tiled=True).reshape(W * A)
     layout = how.layout(recv_e, e)
-    y_MD = grouped_swiglu(to_rows(recv_x, layout), w_gate, w_up, w_down, layout, how)
+    y_MD = grouped_swiglu(to_rows(recv_x, layout), w_gate, w_up, w_down, layout, how,
+                          metas or {})
     y_back = lax.all_to_all(from_rows(y_MD, layout).reshape(W, A, D), axis, 0, 0, tiled=True)
     y_back = checkpoint_name(y_back.reshape(W * A, D), "moe_routed")  # spares both all-to-alls
     y_TKD = y_back[slot_A].reshape(T, K, D)
