@@ -32,6 +32,13 @@ TINY_SET = [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
 TINY_7B = [a for k, v in {"model.num_layers": 4, "model.hidden_size": 128, "model.num_heads": 4,
                           "model.num_kv_heads": 4, "model.mlp_dim": 256,
                           "model.vocab_size": 512}.items() for a in ("--set", f"{k}={v}")]
+# DeepSeek-V2-Lite's config at 64 wide: MLA 2 heads, 8 experts of 32, top-2, 3 layers.
+TINY_V2_LITE = [a for k, v in {
+    "model.num_layers": 3, "model.hidden_size": 64, "model.num_heads": 2,
+    "model.num_kv_heads": 2, "model.mlp_dim": 128, "model.vocab_size": 512,
+    "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 16, "model.n_routed_experts": 8, "model.num_experts_per_tok": 2,
+    "model.moe_intermediate_size": 32}.items() for a in ("--set", f"{k}={v}")]
 
 # name: (script, its arguments at a tiny size ({out}: a temporary folder), the JSON it writes
 # under {out}, the top-level keys its docstring promises, the keys of each of its "rows").
@@ -92,6 +99,13 @@ SMOKE = {
         "model.attention_impl=flash", "--seq_len", "256", "--rows", "none/all", "--baseline",
         "model.attention_impl=xla", "--baseline", "model.loss_chunk=0", "--out",
         "{out}/remat.json"],
+        "remat.json", {"config", "rows", "baseline"},
+        {"policy", "layers", "temp_bytes", "baseline_temp_bytes", "temp_vs_baseline"}),
+    # docs/moe.md's whole-model comparison: dropless auto against capacity 1.25.
+    "remat_table_moe": ("remat_table", [
+        "--config", "configs/deepseek_v2_lite.py", *TINY_V2_LITE, "--seq_len", "64", "--rows",
+        "none/all", "--baseline", "model.moe_impl=capacity", "--baseline",
+        "model.capacity_factor=1.25", "--out", "{out}/remat.json"],
         "remat.json", {"config", "rows", "baseline"},
         {"policy", "layers", "temp_bytes", "baseline_temp_bytes", "temp_vs_baseline"}),
     "comm_bytes": ("comm_bytes", ["--config", "configs/cpu_tiny.py",
@@ -165,6 +179,8 @@ DOCUMENTED = {
     "none/all,attention_core/all --baseline model.attention_impl=xla --baseline "
     "model.loss_chunk=0 --out benchmarks/results/remat_deepseek_7b_vs_unfused.json":
         "remat_table_baseline",
+    "python benchmarks/remat_table.py --config configs/deepseek_v2_lite.py":
+        "remat_table_moe",
     "python benchmarks/comm_bytes.py --config configs/cpu_tiny.py "
     "--config.optim.name=onebit_adam": "comm_bytes",
     "python benchmarks/comm_bytes.py --config configs/cpu_tiny.py --config.optim.name=onebit_adam "
@@ -252,7 +268,7 @@ def test_every_documented_command_has_a_smoke_run():
 
 @pytest.mark.parametrize("name", ["step_time", "compare_overrides", "pipeline_table",
                                   "pipeline_table_flags", "remat_table",
-                                  "remat_table_baseline", "comm_bytes",
+                                  "remat_table_baseline", "remat_table_moe", "comm_bytes",
                                   "comm_bytes_smoke", "fp8_hlo", "attention_table",
                                   "decode_speed", "moe_table"])
 def test_documented_command(name, tmp_path):

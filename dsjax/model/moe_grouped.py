@@ -128,21 +128,28 @@ def _group_amax(a_MX: jax.Array, tile_group: jax.Array, groups: int) -> jax.Arra
     return jnp.zeros((groups,), jnp.float32).at[tile_group].max(tiles)
 
 
-class _Scales(NamedTuple):
-    """Per-expert fp8 scales of one grouped GEMM: activations, weights, output gradients."""
-    x: jax.Array
+class _Operand(NamedTuple):
+    """The weight as the tile GEMMs read it, and what the backward keeps of the forward: the
+    weight in x's dtype (or e4m3 with fp8), per-expert scales of x and w and the observed
+    amaxes [G, 2] (fp8; zeros otherwise). Never the float32 parameter itself: under a layer
+    scan a residual is stacked per layer, and the float32 experts are twice the bf16 copy."""
     w: jax.Array
-    wq: jax.Array  # the weights in e4m3 [G, D, F]
+    sx: jax.Array
+    sw: jax.Array
+    seen: jax.Array
 
 
-def _fp8_scales(x_MD, w_GDF, tile_group, meta_scale, recipe) -> tuple[_Scales, jax.Array]:
-    """Each expert's scales, from the delayed state where it has one (`fp8.pick_scale`), else
-    from the amax of the expert's rows and of its weight; and those amaxes [G, 2]."""
-    seen = jnp.stack([_group_amax(x_MD, tile_group, w_GDF.shape[0]),
-                      fp8.amax(w_GDF, axis=(1, 2))], axis=1)
+def _operand(x_MD, w_GDF, tile_group, meta_scale, recipe) -> _Operand:
+    """fp8: each expert's scales from the delayed state where it has one (`fp8.pick_scale`),
+    else from the amax of the expert's rows and of its weight."""
+    G = w_GDF.shape[0]
+    if not recipe:
+        zeros = jnp.zeros((G,), jnp.float32)
+        return _Operand(w_GDF.astype(x_MD.dtype), zeros, zeros, jnp.zeros((G, 2), jnp.float32))
+    seen = jnp.stack([_group_amax(x_MD, tile_group, G), fp8.amax(w_GDF, axis=(1, 2))], axis=1)
     sx = fp8.pick_scale(meta_scale[:, fp8.X], seen[:, 0], fp8.E4M3, recipe)
     sw = fp8.pick_scale(meta_scale[:, fp8.W], seen[:, 1], fp8.E4M3, recipe)
-    return _Scales(sx, sw, fp8.quantize(w_GDF, sw[:, None, None], fp8.E4M3)), seen
+    return _Operand(fp8.quantize(w_GDF, sw[:, None, None], fp8.E4M3), sx, sw, seen)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -150,80 +157,79 @@ def tiled_matmul(x_MD: jax.Array, w_GDF: jax.Array, tile_group: jax.Array, used:
                  meta_scale: jax.Array, meta_amax: jax.Array, unroll: bool = False,
                  recipe: str | None = None) -> jax.Array:
     """[M, D] rows x per-tile weights w[tile_group] -> [M, F] (rows of tiles >= `used`
-    zero). w stays in its own dtype (the parameters'): each tile casts its slice to x's, and
-    the weight gradient accumulates in float32 and returns in w's dtype, with no whole-tensor
-    cast of either. `recipe` ('current' or 'delayed'; None: no fp8): fp8 GEMMs with one scale
-    per expert and tensor, as the capacity buffers' per-expert `fp8_einsum` (e4m3 operands,
-    e5m2 output gradients; current scales from the amax of the expert's rows). `meta_scale`,
+    zero). The weight gradient accumulates in float32, per expert in place, and returns in w's
+    dtype. `recipe` ('current' or 'delayed'; None: no fp8): fp8 GEMMs with one scale per
+    expert and tensor, as the capacity buffers' per-expert `fp8_einsum` (e4m3 operands, e5m2
+    output gradients; current scales from the amax of the expert's rows). `meta_scale`,
     `meta_amax` [G, 3]: the delayed state's scales and amax leaf (`fp8.Fp8Meta` rows X, W, G;
     zeros otherwise); the observed amaxes leave as the amax leaf's cotangent."""
-    return _tiled_forward(x_MD, w_GDF, tile_group, used, meta_scale, unroll, recipe)[0]
+    operand = _operand(x_MD, w_GDF, tile_group, meta_scale, recipe)
+    return _tiled_forward(x_MD, operand, tile_group, used, unroll, recipe)
 
 
-def _tiled_forward(x_MD, w_GDF, tile_group, used, meta_scale, unroll, recipe):
+def _tiled_forward(x_MD, op: _Operand, tile_group, used, unroll, recipe):
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
-    if recipe:
-        scales, seen = _fp8_scales(x_MD, w_GDF, tile_group, meta_scale, recipe)
 
     def step(i, y_MF):
         g = tile_group[i]
         x_tD = lax.dynamic_slice_in_dim(x_MD, i * tile, tile)
+        w_DF = lax.dynamic_index_in_dim(op.w, g, keepdims=False)
         if recipe:
-            y_tF = fp8.scaled_gemm(fp8.quantize(x_tD, scales.x[g], fp8.E4M3),
-                                   lax.dynamic_index_in_dim(scales.wq, g, keepdims=False), (1,),
-                                   (0,), scales.x[g] * scales.w[g], x_MD.dtype)
+            y_tF = fp8.scaled_gemm(fp8.quantize(x_tD, op.sx[g], fp8.E4M3), w_DF, (1,), (0,),
+                                   op.sx[g] * op.sw[g], x_MD.dtype)
         else:
-            w_DF = lax.dynamic_index_in_dim(w_GDF, g, keepdims=False).astype(x_MD.dtype)
             y_tF = jnp.dot(x_tD, w_DF, preferred_element_type=x_MD.dtype)
         return lax.dynamic_update_slice_in_dim(y_MF, y_tF.astype(x_MD.dtype), i * tile, 0)
 
-    y0 = jnp.zeros((x_MD.shape[0], w_GDF.shape[-1]), x_MD.dtype)
-    y = _tile_loop(n, used, step, _varying_like(y0, x_MD, w_GDF, tile_group, used), unroll)
-    return y, (seen if recipe else None)
+    y0 = jnp.zeros((x_MD.shape[0], op.w.shape[-1]), x_MD.dtype)
+    return _tile_loop(n, used, step, _varying_like(y0, x_MD, op.w, tile_group, used), unroll)
 
 
 def _tiled_fwd(x_MD, w_GDF, tile_group, used, meta_scale, meta_amax, unroll, recipe):
-    y, _ = _tiled_forward(x_MD, w_GDF, tile_group, used, meta_scale, unroll, recipe)
-    return y, (x_MD, w_GDF, tile_group, used, meta_scale, meta_amax)
+    op = _operand(x_MD, w_GDF, tile_group, meta_scale, recipe)
+    dtype_of_w = jnp.zeros((0,), w_GDF.dtype)  # the cotangent's dtype, as an array
+    return (_tiled_forward(x_MD, op, tile_group, used, unroll, recipe),
+            (x_MD, op, tile_group, used, meta_scale, meta_amax, dtype_of_w))
 
 
 def _tiled_bwd(unroll, recipe, res, dy_MF):
-    x_MD, w_GDF, tile_group, used, meta_scale, meta_amax = res
+    x_MD, op, tile_group, used, meta_scale, meta_amax, dtype_of_w = res
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
     dy_MF = dy_MF.astype(x_MD.dtype)
-    observed = jnp.zeros_like(meta_amax, jnp.float32)
-    if recipe:  # the forward's quantised operands, recomputed (the same values)
-        scales, seen = _fp8_scales(x_MD, w_GDF, tile_group, meta_scale, recipe)
-        seen_g = _group_amax(dy_MF, tile_group, w_GDF.shape[0])
+    observed = None
+    if recipe:
+        seen_g = _group_amax(dy_MF, tile_group, op.w.shape[0])
         sg = fp8.pick_scale(meta_scale[:, fp8.G], seen_g, fp8.E5M2, recipe)
-        observed = jnp.concatenate([seen, seen_g[:, None]], axis=1)
+        observed = jnp.concatenate([op.seen, seen_g[:, None]], axis=1)
 
     def step(i, carry):
         dx_MD, dw_GDF = carry
         g = tile_group[i]
         x_tD = lax.dynamic_slice_in_dim(x_MD, i * tile, tile)
         dy_tF = lax.dynamic_slice_in_dim(dy_MF, i * tile, tile)
-        if recipe:
-            xq = fp8.quantize(x_tD, scales.x[g], fp8.E4M3)
+        w_DF = lax.dynamic_index_in_dim(op.w, g, keepdims=False)
+        if recipe:  # the forward's quantised x, recomputed from the same scale
+            xq = fp8.quantize(x_tD, op.sx[g], fp8.E4M3)
             gq = fp8.quantize(dy_tF, sg[g], fp8.E5M2)
-            dx_tD = fp8.scaled_gemm(gq, lax.dynamic_index_in_dim(scales.wq, g, keepdims=False),
-                                    (1,), (1,), sg[g] * scales.w[g], x_MD.dtype)
-            dw_DF = fp8.scaled_gemm(xq, gq, (0,), (0,), scales.x[g] * sg[g], jnp.float32)
+            dx_tD = fp8.scaled_gemm(gq, w_DF, (1,), (1,), sg[g] * op.sw[g], x_MD.dtype)
+            dw_DF = fp8.scaled_gemm(xq, gq, (0,), (0,), op.sx[g] * sg[g], jnp.float32)
         else:
-            w_DF = lax.dynamic_index_in_dim(w_GDF, g, keepdims=False).astype(x_MD.dtype)
             dx_tD = jnp.dot(dy_tF, w_DF.T, preferred_element_type=x_MD.dtype)
             dw_DF = jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
         return (lax.dynamic_update_slice_in_dim(dx_MD, dx_tD.astype(x_MD.dtype), i * tile, 0),
                 lax.dynamic_update_index_in_dim(dw_GDF, dw_GDF[g] + dw_DF, g, 0))
 
-    others = (x_MD, dy_MF, w_GDF, tile_group, used)
+    others = (x_MD, dy_MF, op.w, tile_group, used)
     init = (_varying_like(jnp.zeros_like(x_MD), *others),
-            _varying_like(jnp.zeros(w_GDF.shape, jnp.float32), *others))
+            _varying_like(jnp.zeros(op.w.shape, jnp.float32), *others))
     dx_MD, dw_GDF = _tile_loop(n, used, step, init, unroll)
-    return (dx_MD, dw_GDF.astype(w_GDF.dtype), None, None, jnp.zeros_like(meta_scale),
-            lax.convert_element_type(observed, meta_amax.dtype))
+    # The observed amaxes leave only where there is a delayed state to take them (the stand-in
+    # zeros of the other recipes may be typed invariant inside a shard_map, the amaxes not).
+    observed = (lax.convert_element_type(observed, meta_amax.dtype) if recipe == "delayed"
+                else None)
+    return dx_MD, dw_GDF.astype(dtype_of_w.dtype), None, None, None, observed
 
 
 tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
