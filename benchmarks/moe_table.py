@@ -46,8 +46,8 @@ def layer(args, impl: str, unroll: bool) -> MoE:
     return MoE(num_experts=args.experts, experts_per_token=args.k, expert_dim=args.expert_dim,
                n_shared=0, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                scoring="softmax", norm_topk_prob=False, capacity_factor=0.0,
-               expert_parallel=False, init_std=0.02, impl=impl, tile=args.tile, unroll=unroll,
-               dtype=jnp.dtype(args.dtype))
+               expert_parallel=False, init_std=0.02, impl=impl, tile=args.tile,
+               exchange="static", unroll=unroll, dtype=jnp.dtype(args.dtype))
 
 
 def lowered(args, impl: str, unroll: bool, backward: bool):

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax import config as config_lib
 from dsjax.errors import ConfigError
-from dsjax.model import moe_grouped
+from dsjax.model import moe_exchange, moe_grouped
 from dsjax.model.moe import MoE, capacity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,21 +66,42 @@ def _problem(routing):
     return experts, arrays, f32(rng.normal(size=(T, D)))
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["local", "ep8"])
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all` as its documentation states it, from all_gathers (XLA:CPU
+    cannot run the collective): sender s's rows [input_offsets[me], + send_sizes[me]) of its
+    operand land at output_offsets[me] of my output; my recv_sizes[s] equals that count."""
+    me, W, N = lax.axis_index(axis_name), lax.axis_size(axis_name), operand.shape[0]
+    operands = lax.all_gather(operand, axis_name)
+    ins, sends, outs = (lax.all_gather(a, axis_name)[:, me]
+                        for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(N)
+    for s in range(W):
+        dst = jnp.where(rows < sends[s], outs[s] + rows, output.shape[0])  # past the end: none
+        output = output.at[dst].set(operands[s][jnp.minimum(ins[s] + rows, N - 1)], mode="drop")
+    return output + 0 * recv_sizes.sum().astype(output.dtype)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, "static", "ragged"],
+                         ids=["local", "ep8", "ep8-ragged-exchange"])
 @pytest.mark.parametrize("routing", ["random", "one_expert", "two_of_eight"])
 @pytest.mark.parametrize("impl", ["ragged", "padded"])
-def test_grouped_rows_equal_the_per_token_loop(impl, routing, expert_parallel):
+def test_grouped_rows_equal_the_per_token_loop(impl, routing, expert_parallel, monkeypatch):
     """Loss and every gradient to 1e-5 (relative to the gradient's largest entry). ep8: 8
-    devices, one expert each; with all assignments on expert 3, device 3 receives every row."""
+    devices, one expert each; with all assignments on expert 3, device 3 receives every row.
+    The ragged exchange runs on an emulation of its collective (its offsets are what is
+    tested; the collective itself needs a GPU or TPU)."""
     experts, (x, weights, w_gate, w_up, w_down), cot = _problem(routing)
     _, ref_loss, ref_grads = per_token_loop(x, experts, weights, w_gate, w_up, w_down, cot)
+    monkeypatch.setattr(moe_exchange, "ragged_all_to_all", emulated_ragged_all_to_all)
 
     def routed(x, experts, weights, w_gate, w_up, w_down):
         if not expert_parallel:
             return moe_grouped.routed(x, experts, weights, w_gate, w_up, w_down,
                                       moe_grouped.Grouped(impl, 4))
         mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-        body = lambda *a: moe_grouped.exchange("data", *a, E, moe_grouped.Grouped(impl, 4))
+        how = moe_grouped.Grouped(impl, 4, exchange=expert_parallel)
+        body = lambda *a: moe_exchange.exchange("data", *a, E, how)
         return jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 6, out_specs=P("data"),
                              check_vma=False)(x, experts, weights, w_gate, w_up, w_down)
 
@@ -130,7 +152,7 @@ def _moe(impl, factor=0.0):
     return MoE(num_experts=E, experts_per_token=K, expert_dim=F, n_shared=0, n_group=1,
                topk_group=1, routed_scaling_factor=1.0, scoring="sigmoid",
                norm_topk_prob=True, capacity_factor=factor, expert_parallel=False,
-               init_std=0.3, impl=impl, tile=4)
+               init_std=0.3, impl=impl, tile=4, exchange="static")
 
 
 def test_no_token_is_dropped_when_every_token_picks_one_expert():
@@ -172,6 +194,8 @@ MOE_FLAGS = {"model.num_layers": 3, "model.hidden_size": 64, "model.mlp_dim": 12
     ({"model.moe_impl": "auto", "train.compute_dtype": "fp8", "fp8.recipe": "rowwise"},
      "fp8.recipe"),
     ({"model.moe_tile": -1}, "model.moe_tile"),
+    ({"model.moe_exchange": "nccl"}, "model.moe_exchange"),
+    ({"model.moe_exchange": "ragged"}, "model.moe_exchange"),  # with moe_impl capacity
 ])
 def test_invalid_moe_impl_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -249,3 +273,13 @@ def test_fp8_experts_scale_per_expert_like_the_capacity_buffers():
         quantisation = np.linalg.norm(np.asarray(exact[name]) - b) / np.linalg.norm(b)
         # Measured: diff <= 7e-8, quantisation 0.03 (loss) to 0.12 (down's gradient).
         assert diff < 1e-5 and quantisation > 1e-2, (name, diff, quantisation)
+
+
+def test_ragged_exchange_on_cpu_says_it_needs_a_gpu():
+    experts, (x, weights, w_gate, w_up, w_down), _ = _problem("random")
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    how = moe_grouped.Grouped("padded", 4, exchange="ragged")
+    body = lambda *a: moe_exchange.exchange("data", *a, E, how)
+    with pytest.raises(NotImplementedError, match="model.moe_exchange='ragged' needs a GPU"):
+        jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 6, out_specs=P("data"),
+                      check_vma=False)(x, experts, weights, w_gate, w_up, w_down)

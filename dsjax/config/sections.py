@@ -60,6 +60,8 @@ class ModelConfig:
     moe_impl: str = "capacity"  # MoE: capacity (buffers) | ragged | padded (dropless sorted rows,
                                 # grouped GEMMs) | auto (padded; ragged on TPU); docs/moe.md
     moe_tile: int = 0  # padded: rows per tile; 0 = per backend (model/moe_grouped.py)
+    moe_exchange: str = "static"  # grouped + expert_parallel: static (A-row slots per peer) |
+                                  # ragged (ragged_all_to_all, GPU/TPU; model/moe_exchange.py)
     num_mtp_layers: int = 0  # multi-token prediction modules (V3 §2.2); 0 = off
     mtp_loss_weight: float = 0.3  # MTP: weight of the mean MTP loss in the training loss
     # docs/attention.md: the attention core's implementation and flash's tile sizes

@@ -37,6 +37,7 @@ ATTENTION_IMPLS = ("xla", "flash", "cudnn", "pallas", "auto")  # per backend: mo
 ROPE_SCALINGS = ("none", "yarn")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_IMPLS = ("capacity", "ragged", "padded", "auto")  # dispatch: model/moe.py, moe_grouped.py
+MOE_EXCHANGES = ("static", "ragged")  # model/moe_exchange.py
 
 
 def _bounds(section: str, values: object, positive: str = "", non_negative: str = "") -> None:
@@ -118,6 +119,11 @@ def validate_deepseek(m: ModelConfig) -> None:
                 "rope_beta_slow")
     one_of("model.scoring", m.scoring, MOE_SCORINGS, "router scoring")
     one_of("model.moe_impl", m.moe_impl, MOE_IMPLS, "implementation")
+    one_of("model.moe_exchange", m.moe_exchange, MOE_EXCHANGES, "exchange")
+    if m.moe_exchange == "ragged" and (m.moe_impl == "capacity" or not m.expert_parallel):
+        raise ConfigError("model.moe_exchange: 'ragged' exchanges the sorted rows of "
+                          "expert parallelism; it needs model.expert_parallel=True and "
+                          "moe_impl 'ragged', 'padded' or 'auto'")
     if m.moe_impl != "capacity" and m.capacity_factor:
         raise ConfigError(f"model.capacity_factor: {m.capacity_factor} drops the assignments past "
                           f"each expert's capacity, and moe_impl={m.moe_impl!r} is dropless (every "

@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8
-from dsjax.model import moe_grouped
+from dsjax.model import moe_exchange, moe_grouped
 from dsjax.model.layers import SwiGLU, _param
 
 Dtype = Any
@@ -54,7 +54,7 @@ def moe_fields(cfg) -> tuple[tuple[str, Any], ...]:
             ("routed_scaling_factor", cfg.routed_scaling_factor), ("scoring", cfg.scoring),
             ("norm_topk_prob", cfg.norm_topk_prob), ("capacity_factor", cfg.capacity_factor),
             ("expert_parallel", cfg.expert_parallel), ("init_std", cfg.init_std),
-            ("impl", cfg.moe_impl), ("tile", cfg.moe_tile))
+            ("impl", cfg.moe_impl), ("tile", cfg.moe_tile), ("exchange", cfg.moe_exchange))
 
 
 def route(logits_TE: jax.Array, bias_E: jax.Array | None, *, k: int, n_group: int,
@@ -161,6 +161,7 @@ class MoE(nn.Module):
     init_std: float
     impl: str  # one of MOE_IMPLS (dsjax/config/validate.py)
     tile: int  # padded: rows per tile; 0 = per backend (moe_grouped.resolve_tile)
+    exchange: str  # grouped with expert parallelism: static | ragged (moe_exchange.py)
     unroll: bool = False  # padded: unroll the tile loop (benchmarks count its FLOPs so)
     dtype: Dtype = jnp.float32
     fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
@@ -180,7 +181,7 @@ class MoE(nn.Module):
                                       f"{impl!r} and {policy.recipe!r} "
                                       f"(dsjax.config.compositions says why)")
         return moe_grouped.Grouped(impl, moe_grouped.resolve_tile(self.tile), self.unroll,
-                                   recipes)
+                                   recipes, self.exchange)
 
     def _expert_metas(self) -> dict[str, fp8.Fp8Meta]:
         """Delayed scaling: one amax history per expert and projection, `Fp8Meta` leaves with a
@@ -303,9 +304,9 @@ class MoE(nn.Module):
         e = E // W
         experts_TK = experts_bSK.reshape(b * S, K)
         if how := self._grouped():
-            return moe_grouped.exchange(axis, x_bSD.reshape(b * S, D), experts_TK,
-                                        weights_bSK.reshape(b * S, K), w_gate, w_up, w_down, E,
-                                        how, metas).reshape(b, S, D)
+            return moe_exchange.exchange(axis, x_bSD.reshape(b * S, D), experts_TK,
+                                         weights_bSK.reshape(b * S, K), w_gate, w_up, w_down, E,
+                                         how, metas).reshape(b, S, D)
         slots_TK = dispatch_slots(experts_TK, E)
         cap = capacity(b * S, K, E, self.capacity_factor)
         send_ECD = dispatch(x_bSD.reshape(b * S, D), experts_TK, slots_TK, E, cap)

@@ -258,6 +258,7 @@ class Grouped(NamedTuple):
     tile: int  # padded: rows per tile (resolved: not 0)
     unroll: bool = False  # padded: unroll the tile loop (benchmarks count its FLOPs so)
     fp8: tuple[str | None, ...] = (None, None, None)  # gate, up, down: fp8 recipe or None
+    exchange: str = "static"  # expert parallelism's transport (dsjax/model/moe_exchange.py)
 
     def layout(self, group_A: jax.Array, groups: int) -> Layout:
         return sort_rows(group_A, groups, self.tile if self.impl == "padded" else None)
@@ -289,36 +290,4 @@ def routed(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, w_gate
     y_MD = checkpoint_name(grouped_swiglu(x_MD, w_gate, w_up, w_down, layout, how, metas or {}),
                            "moe_routed")
     y_TKD = from_rows(y_MD, layout).reshape(T, K, D)
-    return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))
-
-
-def exchange(axis: str, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array,
-             w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, num_experts: int,
-             how: Grouped, metas: dict[str, fp8.Fp8Meta] | None = None) -> jax.Array:
-    """Expert parallelism's body, inside a shard_map manual over `axis` (W devices, e = E / W
-    experts each, expert j on device j // e). Each device sends every peer the rows routed to
-    its experts, in a slot of A rows per peer (the static bound: XLA:CPU cannot run
-    `ragged_all_to_all`), with each row's local expert id (e marks an empty slot); the receiver
-    runs the grouped SwiGLU on what arrived and sends the outputs back the same way."""
-    T, D = x_TD.shape
-    K = experts_TK.shape[1]
-    A = T * K
-    W = lax.axis_size(axis)
-    e = num_experts // W
-    expert_A = experts_TK.reshape(-1)
-    send = sort_rows(expert_A // e, W, None)  # sorted by owner: rows [0, A) of the flat layout
-    owner_starts = jnp.cumsum(send.sizes) - send.sizes
-    owner = expert_A // e
-    slot_A = owner * A + send.row - owner_starts[owner]  # row in [W, A] slots, one block per peer
-    send_x = jnp.zeros((W * A, D), x_TD.dtype).at[slot_A].set(jnp.repeat(x_TD, K, axis=0),
-                                                              unique_indices=True)
-    send_e = jnp.full((W * A,), e, jnp.int32).at[slot_A].set(expert_A % e, unique_indices=True)
-    recv_x = lax.all_to_all(send_x.reshape(W, A, D), axis, 0, 0, tiled=True).reshape(W * A, D)
-    recv_e = lax.all_to_all(send_e.reshape(W, A), axis, 0, 0, tiled=True).reshape(W * A)
-    layout = how.layout(recv_e, e)
-    y_MD = grouped_swiglu(to_rows(recv_x, layout), w_gate, w_up, w_down, layout, how,
-                          metas or {})
-    y_back = lax.all_to_all(from_rows(y_MD, layout).reshape(W, A, D), axis, 0, 0, tiled=True)
-    y_back = checkpoint_name(y_back.reshape(W * A, D), "moe_routed")  # spares both all-to-alls
-    y_TKD = y_back[slot_A].reshape(T, K, D)
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))
