@@ -4,8 +4,9 @@ The one idea: the A = T * k (token, expert) assignments are laid out as rows sor
 each projection is one grouped GEMM, row block g times expert g's weight; no [E, C, D] buffer
 exists. Two grouped GEMMs:
 - `ragged`: `jax.lax.ragged_dot` over exactly A rows with per-expert group sizes (rows past the
-  groups come out zero). It is exact-size only where the backend has a grouped kernel: XLA:CPU
-  (and, reportedly, CUDA) expand it into a dense [rows, E, F] product.
+  groups come out zero). It is exact-size only where the backend has a grouped kernel: JAX
+  lowers it on CPU (and, reportedly, on CUDA) to a dense product masked per group, E times the
+  work, with an [E, rows, D] masked copy of the input.
 - `padded`: each expert's rows padded to a multiple of `tile`, at most A + E * (tile - 1) rows,
   one dense [tile, D] x [D, F] GEMM per tile that holds rows, in a loop with a hand-written VJP
   (the weight gradient accumulates in place, per expert; no per-tile copy of a weight is kept).
