@@ -83,10 +83,12 @@ def main(argv=None) -> dict:
     rows, start = [], report.timing_start()  # compile_s is a timing: record the load
     for impl in args.impls.split(","):
         t0 = time.perf_counter()
-        mem = lowered(args, impl, unroll=False, backward=True).compile().memory_analysis()
+        program = lowered(args, impl, unroll=False, backward=True)
+        mem = program.compile().memory_analysis()
         unrolled = impl == "padded"  # every tile of the static bound in straight-line code
         fwd = lowered(args, impl, unroll=unrolled, backward=False).cost_analysis()
-        step = lowered(args, impl, unroll=unrolled, backward=True).cost_analysis()
+        step = (lowered(args, impl, unroll=True, backward=True) if unrolled
+                else program).cost_analysis()
         rows.append({"impl": impl,
                      "tile": moe_grouped.resolve_tile(args.tile) if impl == "padded" else None,
                      "temp_bytes": int(mem.temp_size_in_bytes),

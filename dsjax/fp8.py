@@ -133,7 +133,7 @@ def _gemm_emulated(a: jax.Array, b: jax.Array, a_contract, b_contract, out: Any 
 
 
 def scaled_gemm(a: jax.Array, b: jax.Array, a_contract, b_contract, scale: jax.Array,
-                 out: Any, gemm=_gemm) -> jax.Array:
+                out: Any, gemm=_gemm) -> jax.Array:
     """(a . b) * scale with a scalar `scale`, written in `out`: a GEMM that emits `out` itself
     and a multiply in `out`, the pattern cuBLASLt takes whole (the scalar becomes its scale
     operand, the narrow output comes from its epilogue). A float32 output stays float32 all the
@@ -175,7 +175,7 @@ def _forward(spec: _Spec, x, w, scale, prepared=None, gemm=_gemm):
         xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
     if spec.recipe != "rowwise":
         y = scaled_gemm(xq, wq, spec.x_contract, spec.w_contract, sx * sw, spec.out_dtype,
-                         gemm)
+                        gemm)
         res = (xq, sx, wq, sw, scale[G], seen)
     res = tuple(checkpoint_name(r, FP8_RESIDUAL) for r in res)
     return _transpose(y, spec.out_perm).astype(spec.out_dtype), res

@@ -21,7 +21,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8
-from dsjax.model.moe_grouped import Grouped, from_rows, grouped_swiglu, sort_rows, to_rows
+from dsjax.model.moe_grouped import (Grouped, from_rows, grouped_swiglu, sort_rows, to_rows,
+                                     weighted_sum)
 
 ragged_all_to_all = lax.ragged_all_to_all  # tests substitute an emulation (CPU cannot run it)
 
@@ -34,9 +35,8 @@ def exchange(axis: str, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.
              w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, num_experts: int,
              how: Grouped, metas: dict[str, fp8.Fp8Meta] | None = None) -> jax.Array:
     """sum_k weight_k * expert_k(x) for this device's T tokens, experts spread over `axis`."""
-    T, D = x_TD.shape
     K = experts_TK.shape[1]
-    A = T * K
+    A = x_TD.shape[0] * K
     W = lax.axis_size(axis)
     e = num_experts // W
     expert_A = experts_TK.reshape(-1)
@@ -48,9 +48,7 @@ def exchange(axis: str, x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.
     layout = how.layout(recv_e, e)
     y_MD = grouped_swiglu(to_rows(recv_x, layout), w_gate, w_up, w_down, layout, how,
                           metas or {})
-    y_AD = back(from_rows(y_MD, layout))
-    y_TKD = y_AD.reshape(T, K, D)
-    return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))
+    return weighted_sum(back(from_rows(y_MD, layout)), weights_TK)
 
 
 def _static(axis, W, A, send, owner_A, x_AD, local_A, e):

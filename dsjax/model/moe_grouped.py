@@ -199,11 +199,9 @@ def _tiled_bwd(unroll, recipe, res, dy_MF):
     n = tile_group.shape[0]
     tile = x_MD.shape[0] // n
     dy_MF = dy_MF.astype(x_MD.dtype)
-    observed = None
     if recipe:
         seen_g = _group_amax(dy_MF, tile_group, op.w.shape[0])
         sg = fp8.pick_scale(meta_scale[:, fp8.G], seen_g, fp8.E5M2, recipe)
-        observed = jnp.concatenate([op.seen, seen_g[:, None]], axis=1)
 
     def step(i, carry):
         dx_MD, dw_GDF = carry
@@ -228,8 +226,10 @@ def _tiled_bwd(unroll, recipe, res, dy_MF):
     dx_MD, dw_GDF = _tile_loop(n, used, step, init, unroll)
     # The observed amaxes leave only where there is a delayed state to take them (the stand-in
     # zeros of the other recipes may be typed invariant inside a shard_map, the amaxes not).
-    observed = (lax.convert_element_type(observed, meta_amax.dtype) if recipe == "delayed"
-                else None)
+    observed = None
+    if recipe == "delayed":
+        observed = lax.convert_element_type(
+            jnp.concatenate([op.seen, seen_g[:, None]], axis=1), meta_amax.dtype)
     return dx_MD, dw_GDF.astype(dtype_of_w.dtype), None, None, None, observed
 
 
@@ -271,8 +271,8 @@ def grouped_swiglu(x_MD: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: 
     zero (silu(0) * 0 = 0), so they add nothing to any gradient. `metas`: delayed fp8 state by
     projection name ({} otherwise)."""
     dtype = x_MD.dtype
-    mm = lambda name, x, w: grouped_matmul(x, w, layout, unroll=how.unroll,
-                                           recipe=how.fp8[("gate", "up", "down").index(name)],
+    recipes = dict(zip(("gate", "up", "down"), how.fp8))
+    mm = lambda name, x, w: grouped_matmul(x, w, layout, unroll=how.unroll, recipe=recipes[name],
                                            meta=metas.get(name))
     gate_MF = mm("gate", x_MD, w_gate)
     up_MF = mm("up", x_MD, w_up)
@@ -284,11 +284,17 @@ def routed(x_TD: jax.Array, experts_TK: jax.Array, weights_TK: jax.Array, w_gate
            w_up: jax.Array, w_down: jax.Array, how: Grouped,
            metas: dict[str, fp8.Fp8Meta] | None = None) -> jax.Array:
     """sum_k weight_k * expert_k(x), all experts local: sort, grouped SwiGLU, gather back."""
-    T, D = x_TD.shape
     K = experts_TK.shape[1]
     layout = how.layout(experts_TK.reshape(-1), w_gate.shape[0])
     x_MD = to_rows(jnp.repeat(x_TD, K, axis=0), layout)
     y_MD = checkpoint_name(grouped_swiglu(x_MD, w_gate, w_up, w_down, layout, how, metas or {}),
                            "moe_routed")
-    y_TKD = from_rows(y_MD, layout).reshape(T, K, D)
+    return weighted_sum(from_rows(y_MD, layout), weights_TK)
+
+
+def weighted_sum(y_AD: jax.Array, weights_TK: jax.Array) -> jax.Array:
+    """sum_k weight_k * y[token, k]: the assignments' outputs [T * k, D], in token order, back
+    to tokens [T, D]."""
+    T, K = weights_TK.shape
+    y_TKD = y_AD.reshape(T, K, y_AD.shape[-1])
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(y_TKD.dtype))
