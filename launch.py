@@ -76,7 +76,7 @@ def main(argv):
         cfg = from_config_dict(FLAGS.config, name=name)
         xla_flags.apply(cfg.mesh.xla_profile)  # XLA reads XLA_FLAGS once, at backend start
         cluster = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-        mesh_devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+        mesh_devices = cfg.mesh.size
         if not FLAGS.local_devices:
             ensure_cpu_devices(mesh_devices, distributed.process_count(*cluster))
         distributed.maybe_initialize(*cluster, local_devices=FLAGS.local_devices)

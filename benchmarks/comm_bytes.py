@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     if cfg.optim.name != "onebit_adam":
         sys.exit(f"comm_bytes: {args.config} trains with optim.name={cfg.optim.name!r}; add "
                  f"--config.optim.name=onebit_adam")
-    ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    ensure_cpu_devices(cfg.mesh.size)
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import metrics as mx  # pylint: disable=import-outside-toplevel
     from dsjax import sharding  # pylint: disable=import-outside-toplevel

@@ -316,7 +316,7 @@ class _Served:
             cfg.train, steps=args.warmup + args.steps + 1))
         from dsjax.runtime import xla_flags  # pylint: disable=import-outside-toplevel
         xla_flags.apply(cfg.mesh.xla_profile)  # before JAX starts, as launch.py does
-        ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+        ensure_cpu_devices(cfg.mesh.size)
         from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel
 
         trainer = build_trainer(cfg)

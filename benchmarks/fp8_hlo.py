@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     if args.preset:
         import step_time  # pylint: disable=import-outside-toplevel
         cfg = step_time._apply_preset(cfg, args.preset)  # pylint: disable=protected-access
-    ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    ensure_cpu_devices(cfg.mesh.size)
     import jax  # pylint: disable=import-outside-toplevel
     from dsjax import sharding  # pylint: disable=import-outside-toplevel
     from dsjax.metrics import gemms  # pylint: disable=import-outside-toplevel

@@ -87,7 +87,7 @@ class DsjaxRunner:
 
         self.name, self.cfg = name, cfg
         t0 = time.perf_counter()
-        devices = jax.devices()[:cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline]
+        devices = jax.devices()[:cfg.mesh.size]
         self.trainer = build_trainer(cfg, sharding.make_mesh(cfg, devices))
         self.state = self.trainer.init()
         self.batches = [self.trainer.device_batch(b) for b in host]
@@ -201,7 +201,7 @@ def worker_main(args: argparse.Namespace) -> None:
     """One trainer in this process (with only the devices it needs): builds it, runs its first
     step, then serves rounds of steps."""
     cfg, one, total = prepared(args)
-    devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    devices = cfg.mesh.size
     ensure_cpu_devices(devices if args.worker == "dsjax_mesh" else 1)
     host = host_batches(cfg.data.seq_len, cfg.data.global_batch, min(total, 32), args.data,
                         args.data_dir, min(cfg.model.vocab_size, 256), cfg.train.seed,
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
     if args.worker:
         return worker_main(args)
     cfg, _, total = prepared(args)
-    mesh_devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+    mesh_devices = cfg.mesh.size
     B, S = cfg.data.global_batch, cfg.data.seq_len
     passed = list(argv if argv is not None else sys.argv[1:])
     timing = report.timing_start()

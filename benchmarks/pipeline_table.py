@@ -187,13 +187,13 @@ def main(argv=None) -> dict:
         parser.error(f"--set {e}")
     cfg = config_lib.load(args.config, overrides)
     if args.pipeline:
-        devices = cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline
+        devices = cfg.mesh.size
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
             cfg.mesh, pipeline=args.pipeline,
             data=devices // (cfg.mesh.tensor * args.pipeline)))
     if cfg.mesh.pipeline < 2:
         parser.error(f"{args.config} has mesh.pipeline = {cfg.mesh.pipeline}; pass --pipeline")
-    ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    ensure_cpu_devices(cfg.mesh.size)
     counts = [int(m) for m in args.microbatches.split(",") if m] or [cfg.pipeline.microbatches]
 
     rows = []

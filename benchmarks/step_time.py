@@ -67,7 +67,7 @@ class _Served:
         cfg = _apply_preset(_load(spec), preset)
         from dsjax.runtime import xla_flags  # pylint: disable=import-outside-toplevel
         xla_flags.apply(cfg.mesh.xla_profile)  # before JAX starts, as launch.py does
-        ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+        ensure_cpu_devices(cfg.mesh.size)
         import jax  # pylint: disable=import-outside-toplevel
         import numpy as np  # pylint: disable=import-outside-toplevel
         from dsjax.train import build_trainer  # pylint: disable=import-outside-toplevel

@@ -25,8 +25,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from dsjax.config import Config, ConfigError
 
 # The mesh axes: spelled here only; everything else names them through these constants.
-DATA, TENSOR, PIPELINE = "data", "tensor", "pipeline"
-MESH_AXES = (DATA, TENSOR, PIPELINE)
+DATA, TENSOR, PIPELINE, CONTEXT = "data", "tensor", "pipeline", "context"
+MESH_AXES = (DATA, TENSOR, PIPELINE, CONTEXT)
 
 # Logical name -> mesh axis (or None: replicated). Parameters first, then activations.
 # Keep it short and free of duplicate keys; `fsdp` and `pipeline` each add exactly one override
@@ -49,7 +49,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("vision_mlp", TENSOR),
     ("vision_layers", None),
     ("act_batch", DATA),
-    ("act_seq", None),
+    ("act_seq", None),  # with mesh.context > 1: "context" (the sequence split, docs/context.md)
     ("act_embed", None),
     ("act_heads", TENSOR),
     ("act_kv_heads", TENSOR),
@@ -58,12 +58,14 @@ RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def logical_rules(fsdp: bool = False, pipeline: bool = False
+def logical_rules(fsdp: bool = False, pipeline: bool = False, context: bool = False
                   ) -> tuple[tuple[str, str | None], ...]:
     """The rules table; with `fsdp` the parameters' "embed" axis is also sharded over `data`,
-    with `pipeline` (mesh.pipeline > 1) the "layers" axis is split into contiguous stages."""
+    with `pipeline` (mesh.pipeline > 1) the "layers" axis is split into contiguous stages, with
+    `context` (mesh.context > 1) the activations' sequence axis is split over `context`."""
     overrides = {**({"embed": DATA} if fsdp else {}),
-                 **({"layers": PIPELINE} if pipeline else {})}
+                 **({"layers": PIPELINE} if pipeline else {}),
+                 **({"act_seq": CONTEXT} if context else {})}
     return tuple((name, overrides.get(name, axis)) for name, axis in RULES)
 
 
@@ -72,14 +74,20 @@ def data_size(mesh: Mesh) -> int:
     return int(mesh.shape[DATA])
 
 
+def rules_for(cfg: Config) -> tuple[tuple[str, str | None], ...]:
+    """The rules table for a training config's mesh."""
+    return logical_rules(cfg.mesh.fsdp, pipeline=cfg.mesh.pipeline > 1,
+                         context=cfg.mesh.context > 1)
+
+
 def check_device_count(cfg: Config, num_devices: int) -> None:
     """The one mesh check that needs the devices (the rest are `dsjax.config.validate`'s)."""
     mesh = cfg.mesh
-    product = mesh.data * mesh.tensor * mesh.pipeline
-    if product != num_devices:
+    if mesh.size != num_devices:
         raise ConfigError(
-            f"mesh: data*tensor*pipeline = {mesh.data}*{mesh.tensor}*{mesh.pipeline} = {product} "
-            f"must equal the device count {num_devices} (set mesh.data, mesh.tensor, mesh.pipeline)")
+            f"mesh: data*tensor*pipeline*context = {mesh.data}*{mesh.tensor}*{mesh.pipeline}*"
+            f"{mesh.context} = {mesh.size} must equal the device count {num_devices} (set "
+            f"mesh.data, mesh.tensor, mesh.pipeline, mesh.context)")
 
 
 def host_split(cfg: Config, num_devices: int, num_processes: int) -> tuple[int, int]:
@@ -108,6 +116,11 @@ def host_split(cfg: Config, num_devices: int, num_processes: int) -> tuple[int, 
                           f"devices per host = {num_devices} devices / {hosts} hosts): tensor "
                           f"groups all-reduce in every layer and stay on intra-host links (one "
                           f"process per GPU? set mesh.dcn_data to the number of nodes)")
+    if per_host % (mesh.tensor * mesh.context):
+        raise ConfigError(f"mesh.context: tensor x context = {mesh.tensor} x {mesh.context} must "
+                          f"fit inside one host ({per_host} devices per host): context groups "
+                          f"exchange keys and values in every layer, and a host loads whole "
+                          f"rows")
     # An explicit dcn_data (and dcn_pipeline) is checked against mesh.data by the config's
     # validation; only the one resolved here from the process count is new.
     if not mesh.dcn_data and mesh.data % dcn_data:
@@ -143,23 +156,26 @@ def hybrid_device_grid(devices: Sequence[Any], ici_shape: Sequence[int],
 
 
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "tensor", "pipeline") mesh over `devices` (default: all), Auto axis types.
+    """A ("data", "tensor", "pipeline", "context") mesh over `devices` (default: all), Auto axes.
 
     Topology-aware: each host holds a contiguous block with whole `tensor` groups, and `data`
     (then `pipeline`, mesh.dcn_pipeline) spans hosts (see `host_split`). Data index =
     host * (data / hosts) + index inside the host, which `host_view` relies on.
     """
     devices = list(jax.devices() if devices is None else devices)
-    return Mesh(mesh_devices(cfg, devices), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(mesh_devices(cfg, devices), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_devices(cfg: Config, devices: Sequence[Any]) -> np.ndarray:
-    """`make_mesh`'s device array (data, tensor, pipeline), checked against the config."""
+    """`make_mesh`'s device array (data, tensor, pipeline, context), checked against the
+    config. `context`, like `tensor`, stays inside a host."""
     check_device_count(cfg, len(devices))
     dcn_data, dcn_pipeline = host_split(cfg, len(devices),
                                         len({d.process_index for d in devices}))
-    ici = (cfg.mesh.data // dcn_data, cfg.mesh.tensor, cfg.mesh.pipeline // dcn_pipeline)
-    return hybrid_device_grid(devices, ici, (dcn_data, 1, dcn_pipeline))
+    ici = (cfg.mesh.data // dcn_data, cfg.mesh.tensor, cfg.mesh.pipeline // dcn_pipeline,
+           cfg.mesh.context)
+    return hybrid_device_grid(devices, ici, (dcn_data, 1, dcn_pipeline, 1))
 
 
 def describe_layout(mesh: Mesh) -> str:
@@ -268,8 +284,24 @@ def param_shardings(abstract_boxed: Any, mesh: Mesh, rules) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Input batches: [batch, seq] with batch over `data`."""
-    return NamedSharding(mesh, P(DATA, None))
+    """Input batches: [batch, seq] with batch over `data`, and seq over `context` where the
+    mesh has that axis (the rows arrive in the context layout, dsjax.model.context_layout)."""
+    return NamedSharding(mesh, P(DATA, CONTEXT if CONTEXT in mesh.axis_names else None))
+
+
+def rows_sharding(mesh: Mesh) -> NamedSharding:
+    """Arrays of rows (any rank) split over `data` only: decoding, whose rows stay whole."""
+    return NamedSharding(mesh, P(DATA))
+
+
+def context_size(mesh: Any = None) -> int:
+    """How many devices the activations' sequence axis is split over, under the current rules
+    and mesh (1: not split). Read while tracing: the attention core picks its form from it."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    spec = nn.logical_to_mesh_axes(("act_seq",))
+    if mesh is None or mesh.empty or spec[0] != CONTEXT or CONTEXT not in mesh.axis_names:
+        return 1
+    return int(dict(mesh.shape)[CONTEXT])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

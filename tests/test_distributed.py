@@ -57,7 +57,7 @@ def test_detect_rejects_incomplete_settings(args, env, match):
 
 
 def test_layout_of_a_single_process_mesh():
-    mesh = jax.make_mesh((4, 2, 1), MESH_AXES, devices=jax.devices()[:8])
+    mesh = jax.make_mesh((4, 2, 1, 1), MESH_AXES, devices=jax.devices()[:8])
     text = sharding.describe_layout(mesh)
     assert "over 1 process(es)" in text and "process 0: 8 devices" in text
     assert sharding.tensor_groups_local(mesh)
@@ -205,21 +205,21 @@ def test_hybrid_mesh_keeps_tensor_groups_inside_a_process():
     devices = [FakeDevice(2 * local + p, p) for p in range(2) for local in range(4)]
     cfg = config_lib.load(f"{ROOT}/configs/cpu_tiny.py", {"mesh.data": 4, "mesh.tensor": 2,
                                                           "mesh.pipeline": 1})
-    plain = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(4, 2, 1)
+    plain = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(4, 2, 1, 1)
     assert "tensor groups within one process: NO" in sharding.describe_layout(
         _fake_mesh(plain))
 
     grid = sharding.mesh_devices(cfg, devices)
     text = sharding.describe_layout(_fake_mesh(grid))
     assert "tensor groups within one process: yes" in text, text
-    assert "processes per group along each axis: data 2, tensor 1, pipeline 1" in text, text
+    assert "processes per group along each axis: data 2, tensor 1, pipeline 1, context 1" in text, text
     # process 0 owns data rows 0-1, process 1 rows 2-3 (data = host * 2 + index in the host)
     owner = np.vectorize(lambda d: d.process_index)(grid)
-    np.testing.assert_array_equal(owner[:, :, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
-    assert "process 1: 4 devices, id@(data,tensor,pipeline): 1@(2,0,0), 3@(2,1,0)" in text, text
+    np.testing.assert_array_equal(owner[:, :, 0, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
+    assert "process 1: 4 devices, id@(data,tensor,pipeline,context): 1@(2,0,0,0), 3@(2,1,0,0)" in text, text
     # With one process per host this is jax's own hybrid layout.
     from jax.experimental import mesh_utils
-    expected = mesh_utils.create_hybrid_device_mesh((2, 2, 1), (2, 1, 1), devices,
+    expected = mesh_utils.create_hybrid_device_mesh((2, 2, 1, 1), (2, 1, 1, 1), devices,
                                                     process_is_granule=True)
     assert [d.id for d in grid.flat] == [d.id for d in expected.flat]
 

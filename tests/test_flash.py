@@ -94,8 +94,10 @@ def test_matches_float64_reference(case):
 
 def pairs(segment_ids, block_q, block_k):
     """The (q block, k block) pairs the forward and the backward schedules visit."""
-    schedule = jax.jit(block_schedule, static_argnums=(1, 2))
-    lo_i, hi_i, lo_j, hi_j = (np.asarray(x) for x in schedule(segment_ids, block_q, block_k))
+    pos = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    schedule = jax.jit(block_schedule, static_argnums=(4, 5))
+    lo_i, hi_i, lo_j, hi_j = (np.asarray(x) for x in schedule(segment_ids, segment_ids, pos, pos,
+                                                               block_q, block_k))
     fwd = {(i, j) for i in range(len(lo_i)) for j in range(lo_i[i], hi_i[i])}
     bwd = {(i, j) for j in range(len(lo_j)) for i in range(lo_j[j], hi_j[j])}
     return fwd, bwd
@@ -192,7 +194,8 @@ def test_temp_memory_grows_linearly():
 
 def test_primal_and_saved_residuals(capsys):
     """Without differentiation the primal runs (and matches); under it the residuals are
-    q, k, v (and the segment ids), the named output and the named logsumexp, nothing else."""
+    q, k, v (and the segment ids and token indices), the named output and the named
+    logsumexp, nothing else."""
     q, k, v, dout = inputs(3, 2, 32, 4, 2, 16, 16)
     seg = jnp.asarray(segments([[32], [10, 22]]))
     attend = lambda q, k, v: flash_attention(q, k, v, seg, scale=0.25, block_q=16, block_k=16)
@@ -200,8 +203,9 @@ def test_primal_and_saved_residuals(capsys):
     assert rel(jax.jit(attend)(q, k, v), want) < 1e-5
     print_saved_residuals(lambda q, k, v: jnp.sum(attend(q, k, v)), q, k, v)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
     assert sum("from the argument" in line for line in lines) == 3, lines
+    assert sum(line.startswith("i32[") for line in lines) == 2, lines  # ids, indices [S]
     assert any("named 'attn_context'" in line and "f32[2,32,4,16]" in line for line in lines)
     assert any("named 'attn_lse'" in line and "f32[2,4,32]" in line for line in lines)
 

@@ -209,7 +209,7 @@ def test_chunked_temp_memory_is_a_fraction_of_the_plain_path():
 def test_sharded_vocab_gathers_no_logits_block():
     """(data, tensor, pipeline) = (4, 2, 1), vocab over `tensor`: the target-logit gather and
     the softmax stay on each device's vocab slice; no all-gather at all in the compiled grad."""
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2, 1), sharding.MESH_AXES)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2, 1, 1), sharding.MESH_AXES)
     B, S, D, V = 8, 64, 32, 256
 
     def arg(shape, dtype, spec):

@@ -86,7 +86,8 @@ def test_simulated_hosts_and_their_data_view():
     cfg = _load({"mesh.data": 4, "mesh.tensor": 2, "mesh.dcn_data": 2})
     mesh = sharding.make_mesh(cfg)
     view = sharding.hierarchical_view(cfg, mesh)
-    assert dict(view.shape) == {"data_hosts": 2, "data_local": 2, "tensor": 2, "pipeline": 1}
+    assert dict(view.shape) == {"data_hosts": 2, "data_local": 2, "tensor": 2, "pipeline": 1,
+                                "context": 1}
     ids = np.vectorize(lambda d: d.id)(view.devices)
     assert set(ids[0].flat) == {0, 1, 2, 3} and set(ids[1].flat) == {4, 5, 6, 7}
     # One sharding under two names: the view's (hosts, local) is the mesh's `data`.

@@ -198,7 +198,7 @@ def test_sharded_vl_logits_match_single_device():
     tokens = jnp.asarray(_rows(rng, [(2, 20), (30,), (), (5,)]))
     pixels = jnp.asarray(rng.integers(0, 256, (4, 2, IMAGE, IMAGE, 3)).astype(np.uint8))
     mask = jnp.asarray([[True, True], [True, False], [False, False], [False, True]])
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2, 1), sharding.MESH_AXES)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2, 1, 1), sharding.MESH_AXES)
     rules = sharding.logical_rules()
     abstract = jax.eval_shape(model.init, jax.random.key(7), tokens)["params"]
     shardings = sharding.param_shardings(abstract, mesh, rules)

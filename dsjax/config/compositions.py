@@ -97,6 +97,25 @@ def compositions(cfg: Config) -> None:
                               "step differentiates inside its own shard_map, with no reference "
                               "pass); use optim.name='adamw'")
 
+    # Context parallelism (docs/context.md).
+    if cfg.mesh.context > 1:
+        if m.attention_impl not in ("auto", "flash"):
+            # The split rows attend through dsjax's flash blocks, which take every query's and
+            # key's global index; the other kernels assume one whole causal row.
+            raise ConfigError(f"model.attention_impl: mesh.context > 1 runs the flash blocks "
+                              f"over the split sequence; set 'flash' or 'auto', got "
+                              f"{m.attention_impl!r}")
+        if cfg.vision.enabled:
+            raise ConfigError("mesh.context: vision-language rows place image features at their "
+                              "placeholder tokens in row order, which the context layout "
+                              "permutes; set mesh.context=1 for a vision model")
+        if m.context_impl == "ring" and S > 1 and cfg.pipeline.schedule in HAND_BACKWARD_SCHEDULES:
+            # Measured: XLA:CPU crashes (segfault) running the ring's collective-permutes inside
+            # the 1F1B ticks; not yet run on a GPU.
+            raise ConfigError(f"model.context_impl: 'ring' inside the {cfg.pipeline.schedule!r} "
+                              f"schedule crashes XLA:CPU; use context_impl='all_gather', or "
+                              f"pipeline.schedule 'gpipe' / 'circular'")
+
     if cfg.remat.policy == "auto" and cfg.remat.layers != "all":
         raise ConfigError("remat.layers: 'auto' chooses the layer pattern too; leave "
                           "remat.layers at 'all'")

@@ -68,6 +68,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # xla | flash | cudnn | pallas | auto (per backend, dtype, S)
     attention_block_q: int = 512  # flash: query rows per block
     attention_block_k: int = 512  # flash: key rows per block
+    context_impl: str = "all_gather"  # mesh.context > 1: all_gather | ring (docs/context.md)
+    context_layout: str = "zigzag"  # mesh.context > 1: zigzag (each device holds chunks i and
+                                    # 2C-1-i: equal causal work) | contiguous (unbalanced)
     scan_layers: bool = True  # False unrolls the layer stack: no stacked residual buffers
                               # (cpu_tiny's CPU step -13%), compile time grows with depth
                               # (docs/performance.md)
@@ -83,15 +86,22 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1  # data-parallel size (data * tensor * pipeline = the device count)
+    data: int = 1  # data-parallel size
     tensor: int = 1  # tensor-parallel size (heads, MLP, vocab)
     pipeline: int = 1  # pipeline stages (docs/pipeline.md)
+    context: int = 1  # context parallelism: each sequence split over this many devices
+                      # (docs/context.md); data * tensor * pipeline * context = the device count
     fsdp: bool = False  # also shard parameters and optimizer state over `data` (ZeRO-3 style)
     # Topology (docs/multihost.md): which axes span hosts. `tensor` never does; a host is a
     # process (or, with fewer processes than hosts, a block of one process's devices).
     dcn_data: int = 0  # hosts the data axis spans; 0: every process is a host, data spans all
     dcn_pipeline: int = 1  # hosts the pipeline axis spans (only when data cannot cover them)
     xla_profile: str = "none"  # XLA flags set before JAX starts: none | overlap (runtime/xla_flags.py)
+
+    @property
+    def size(self) -> int:
+        """The device count the mesh needs."""
+        return self.data * self.tensor * self.pipeline * self.context
 
 
 @dataclasses.dataclass(frozen=True)

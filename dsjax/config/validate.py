@@ -38,6 +38,8 @@ ROPE_SCALINGS = ("none", "yarn")
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_IMPLS = ("capacity", "ragged", "padded", "auto")  # dispatch: model/moe.py, moe_grouped.py
 MOE_EXCHANGES = ("static", "ragged")  # model/moe_exchange.py
+CONTEXT_IMPLS = ("all_gather", "ring")  # model/context.py
+CONTEXT_LAYOUTS = ("zigzag", "contiguous")  # model/context_layout.py
 
 
 def _bounds(section: str, values: object, positive: str = "", non_negative: str = "") -> None:
@@ -93,6 +95,8 @@ def validate_model(cfg: Config) -> None:
     validate_deepseek(m)
     one_of("model.attention_impl", m.attention_impl, ATTENTION_IMPLS, "implementation")
     _bounds("model", m, positive="attention_block_q attention_block_k")
+    one_of("model.context_impl", m.context_impl, CONTEXT_IMPLS, "implementation")
+    one_of("model.context_layout", m.context_layout, CONTEXT_LAYOUTS, "layout")
     if m.expert_parallel and m.n_routed_experts % cfg.mesh.data:
         raise ConfigError(f"model.n_routed_experts: {m.n_routed_experts} experts cannot be split "
                           f"over mesh.data {cfg.mesh.data} (model.expert_parallel)")
@@ -152,7 +156,8 @@ def validate_deepseek(m: ModelConfig) -> None:
 
 
 def validate_mesh(cfg: Config) -> None:
-    _bounds("mesh", cfg.mesh, positive="data tensor pipeline dcn_pipeline", non_negative="dcn_data")
+    _bounds("mesh", cfg.mesh, positive="data tensor pipeline context dcn_pipeline",
+            non_negative="dcn_data")
     for key in ("data", "pipeline"):
         hosts = getattr(cfg.mesh, f"dcn_{key}")
         if hosts and getattr(cfg.mesh, key) % hosts:
@@ -171,6 +176,11 @@ def validate_mesh_fit(cfg: Config) -> None:
     if mesh.fsdp and m.hidden_size % mesh.data:
         raise ConfigError(f"model.hidden_size: {m.hidden_size} is not divisible by mesh.data "
                           f"{mesh.data} (needed by mesh.fsdp)")
+    chunks = mesh.context * (2 if m.context_layout == "zigzag" else 1)
+    if mesh.context > 1 and cfg.data.seq_len % chunks:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must split into {chunks} equal "
+                          f"chunks (mesh.context {mesh.context}, model.context_layout "
+                          f"{m.context_layout!r})")
 
 
 def validate_data(cfg: Config) -> None:

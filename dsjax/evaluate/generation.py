@@ -50,8 +50,8 @@ class Generator:
         for i, p in enumerate(prompts):
             tokens[i, :len(p)], lengths[i] = p, len(p)
         program = self._program(rows, width)
-        batch = sharding.batch_sharding(self.mesh)
-        put = lambda a: jax.make_array_from_callback(a.shape, batch, lambda index: a[index])
+        rows_split = sharding.rows_sharding(self.mesh)  # decoding rows stay whole (no context)
+        put = lambda a: jax.make_array_from_callback(a.shape, rows_split, lambda index: a[index])
         with sharding.activate(self.mesh, self.rules):
             out, steps = program(params, put(tokens), put(lengths), jax.random.key(seed))
         out, steps = np.asarray(jax.device_get(out)), int(jax.device_get(steps))

@@ -140,7 +140,7 @@ def _generate(args) -> int:
     spec = run_tokenizer_spec(cfg)
     tokenizer = load_tokenizer(spec)
     ids = encode_prompts(prompts, tokenizer, args.chat, spec)
-    ensure_cpu_devices(cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.pipeline)
+    ensure_cpu_devices(cfg.mesh.size)
     # Imported only now: it imports JAX, which must start after the device count is set.
     from dsjax.generate.restore import generate_from_run  # pylint: disable=g-import-not-at-top
     outputs = generate_from_run(cfg, args.workdir, ids, tokenizer, args.max_new_tokens,

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 from dsjax.config.validate import ATTENTION_IMPLS
 from dsjax.errors import ConfigError, one_of
+from dsjax.model.context import context_attention
+from dsjax.model.context_layout import Layout
 from dsjax.model.dots import einsum_f32
 from dsjax.model.flash import flash_attention
 
@@ -92,10 +94,13 @@ def resolve_impl(cfg_model: Any, backend: str, dtype: Any, seq_len: int) -> str:
 def attention_core(q_BSHK: jax.Array, k_BTNK: jax.Array, v_BTNU: jax.Array,
                    segment_ids_BS: jax.Array, *, scale: float, impl: str, block_q: int,
                    block_k: int, dtype: Any, q_pe_BSHP: jax.Array | None = None,
-                   k_pe_BTP: jax.Array | None = None) -> jax.Array:
+                   k_pe_BTP: jax.Array | None = None, context: tuple[str, Layout] | None = None
+                   ) -> jax.Array:
     """Causal, segment-masked attention -> context [B, S, H, U] in `dtype`. `impl` is concrete
-    (`resolve_impl`); `block_q` / `block_k` tile flash. q_pe / k_pe: MLA's RoPE part (N = H)."""
-    if impl == "xla":
+    (`resolve_impl`); `block_q` / `block_k` tile flash. q_pe / k_pe: MLA's RoPE part (N = H).
+    `context`: (model.context_impl, layout) when the sequence is split over `context`; the
+    flash blocks then run as that impl places them (dsjax.model.context)."""
+    if impl == "xla" and context is None:
         return masked_attention(q_BSHK, k_BTNK, v_BTNU, attention_mask(segment_ids_BS),
                                 scale=scale, dtype=dtype, q_pe_BSHP=q_pe_BSHP, k_pe_BTP=k_pe_BTP)
     if q_pe_BSHP is not None:
@@ -105,7 +110,11 @@ def attention_core(q_BSHK: jax.Array, k_BTNK: jax.Array, v_BTNU: jax.Array,
         q_BSHK = jnp.concatenate([q_BSHK, q_pe_BSHP.astype(q_BSHK.dtype)], axis=-1)
         k_BTNK = jnp.concatenate([k_BTNK, k_pe_BTHP.astype(k_BTNK.dtype)], axis=-1)
     q_BSHK, k_BTNK, v_BTNU = (x.astype(dtype) for x in (q_BSHK, k_BTNK, v_BTNU))
-    if impl == "flash":
+    if context is not None:
+        ctx_BSHU = context_attention(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale=scale,
+                                     block_q=block_q, block_k=block_k, impl=context[0],
+                                     layout=context[1])
+    elif impl == "flash":
         ctx_BSHU = flash_attention(q_BSHK, k_BTNK, v_BTNU, segment_ids_BS, scale=scale,
                                    block_q=block_q, block_k=block_k)
     elif impl == "cudnn":

@@ -18,12 +18,14 @@ from dsjax import fp8, remat
 from dsjax.config import ModelConfig
 from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
+from dsjax.model.context_layout import Layout
 from dsjax.model.loss import AUX, head_nll
 from dsjax.model.layers import (ROUTED_EXPERTS, Attention, AttentionCore, RMSNorm, SwiGLU,
                                 _param, prepare_fp8_weights, rms_norm)
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
 from dsjax.model.vision import SiglipTower, VisionSpec, make_projector, with_image_features
+from dsjax.sharding import context_size
 
 RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
@@ -51,11 +53,12 @@ class DecoderBlock(nn.Module):
     moe: tuple[tuple[str, Any], ...] = ()  # MoE fields (moe.moe_fields); () = dense `SwiGLU`
     attention_impl: str = "xla"  # concrete: attention.resolve_impl (model.attention_impl)
     attention_blocks: tuple[int, int] = (512, 512)  # flash (block_q, block_k)
+    context: tuple[str, str] = ("all_gather", "zigzag")  # model.context_impl, context_layout
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, cache=None):
         x_BSD = nn.with_logical_constraint(x_BSD, RESIDUAL)
-        core = AttentionCore(self.attention_impl, *self.attention_blocks)
+        core = AttentionCore(self.attention_impl, *self.attention_blocks, *self.context)
         if self.mla:
             attn = MLA(**dict(self.mla), dtype=self.dtype, fp8_policy=self.fp8_policy, core=core,
                        name="attn")
@@ -112,6 +115,7 @@ class Transformer(nn.Module):
                             moe=moe_fields(cfg) if moe else (),
                             attention_impl=attention_impl,
                             attention_blocks=(cfg.attention_block_q, cfg.attention_block_k),
+                            context=(cfg.context_impl, cfg.context_layout),
                             parent=None)  # detached: `run_layers` works on an unbound module too
 
     @property
@@ -119,6 +123,11 @@ class Transformer(nn.Module):
         """The layer scan runs as straight-line code: `scan_unroll` (FLOP counting) or
         `model.scan_layers=False`."""
         return bool(self.scan_unroll) or not self.cfg.scan_layers
+
+    def seq_layout(self) -> Layout:
+        """The order of a row's tokens while tracing: split over `context` (model.context_layout)
+        or natural (dsjax.model.context_layout)."""
+        return Layout(context_size(), self.cfg.context_layout)
 
     def attention_impl(self, seq_len: int) -> str:
         """The attention core's implementation at this sequence length (model.attention_impl,
@@ -218,7 +227,8 @@ class Transformer(nn.Module):
         next-token loss), "moe_load" [MoE layers, E] and "mtp_loss" [num_mtp_layers]."""
         cfg = self.cfg
         if positions_BS is None:
-            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+            order = self.seq_layout().order(tokens_BS.shape[1])
+            positions_BS = jnp.broadcast_to(jnp.asarray(order, jnp.int32), tokens_BS.shape)
         if segment_ids_BS is None:
             segment_ids_BS = jnp.ones_like(tokens_BS)
         embedding_VD = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size),
@@ -311,9 +321,10 @@ class Transformer(nn.Module):
         cfg, n = self.cfg, self.cfg.num_mtp_layers
         block = self._layer_fn("none", False, positions_BS, segment_ids_BS, cfg.is_moe)
         sums, stats = [], []
-        valid_NBS = mtp_weights(weights_BS, n)
+        layout = self.seq_layout()
+        valid_NBS = mtp_weights(weights_BS, n, layout)
         for k in range(1, n + 1):
-            e_BSD = embed_tokens(embedding_VD, _ahead(tokens_BS, k), self.dtype)
+            e_BSD = embed_tokens(embedding_VD, layout.ahead(tokens_BS, k), self.dtype)
             cat_BSE = jnp.concatenate([rms_norm(e_BSD, params["mtp_enorm"][k - 1], cfg.norm_eps),
                                        rms_norm(h_BSD, params["mtp_hnorm"][k - 1], cfg.norm_eps)],
                                       axis=-1)
@@ -325,7 +336,7 @@ class Transformer(nn.Module):
                 stats.append(jax.tree.map(lambda a: a[None], s))
             # Target t_{i+k+1} = targets[i + k].
             sums.append(head_nll(rms_norm(h_BSD, params["mtp_norm"][k - 1], cfg.norm_eps),
-                                 head_DV, _ahead(targets_BS, k), valid_NBS[k - 1],
+                                 head_DV, layout.ahead(targets_BS, k), valid_NBS[k - 1],
                                  dtype=self.dtype, chunk=cfg.loss_chunk)[0])
         return jnp.stack(sums), jnp.sum(valid_NBS, axis=(1, 2)), stats
 
@@ -369,17 +380,13 @@ class Transformer(nn.Module):
         return x_BSD, moe_stats
 
 
-def _ahead(a_BS: jax.Array, k: int) -> jax.Array:
-    """a[:, i + k], zero past the row."""
-    return jnp.pad(a_BS[:, k:], ((0, 0), (0, k)))
-
-
-def mtp_weights(weights_BS: jax.Array, n: int) -> jax.Array:
+def mtp_weights(weights_BS: jax.Array, n: int, layout: Layout = Layout()) -> jax.Array:
     """[n, B, S]: MTP module k's loss weights. Position i predicts t_{i+k+1}; it counts while
-    positions i..i+k each predict within one document (their weights are all 1)."""
+    positions i..i+k each predict within one document (their weights are all 1). `layout`: the
+    row's order (`Transformer.seq_layout`)."""
     out, valid_BS = [], weights_BS
     for k in range(1, n + 1):
-        valid_BS = valid_BS * _ahead(weights_BS, k)
+        valid_BS = valid_BS * layout.ahead(weights_BS, k)
         out.append(valid_BS)
     return jnp.stack(out) if out else jnp.zeros((0, *weights_BS.shape), weights_BS.dtype)
 

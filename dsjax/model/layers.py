@@ -22,6 +22,8 @@ from dsjax import fp8
 from dsjax.model import kv_cache
 from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (re-export)
 from dsjax.model.attention import masked_attention
+from dsjax.model.context_layout import Layout
+from dsjax.sharding import context_size
 
 Dtype = Any
 TOKENS = "n"  # the flattened B x S dim of a projection (`_project`)
@@ -128,18 +130,39 @@ def apply_rope(x_BSHK: jax.Array, positions_BS: jax.Array, theta: float) -> jax.
 @dataclasses.dataclass(frozen=True)
 class AttentionCore:
     """The attention core as a layer runs it (GQA and MLA alike): its implementation, concrete
-    (attention.resolve_impl of model.attention_impl), and the flash tiles (model.attention_block_q
-    / _k). Hashable: a static field of the layers that hold it."""
+    (attention.resolve_impl of model.attention_impl), the flash tiles (model.attention_block_q
+    / _k), and how it runs when the sequence is split over `context` (model.context_impl,
+    model.context_layout). Hashable: a static field of the layers that hold it."""
     impl: str = "xla"
     block_q: int = 512
     block_k: int = 512
+    context_impl: str = "all_gather"
+    context_layout: str = "zigzag"
+
+    def context(self, seq_len: int) -> tuple[str, Layout] | None:
+        """(context impl, layout) while tracing rows of `seq_len` split over `context`; None
+        when they are not (the mesh and rules in effect say which), and for the one-token rows
+        that parameter init traces."""
+        parts = context_size()
+        if parts == 1 or seq_len == 1:
+            return None
+        layout = Layout(parts, self.context_layout)
+        if seq_len % layout.chunks:
+            raise ValueError(f"a row of {seq_len} tokens does not split into {layout.chunks} "
+                             f"equal chunks over mesh.context {parts}")
+        return self.context_impl, layout
+
+    def gathers_kv(self, seq_len: int) -> bool:
+        """True when keys and values must be whole rows before the core (all_gather)."""
+        context = self.context(seq_len)
+        return context is not None and context[0] == "all_gather"
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids_BS: jax.Array, *,
                  scale: float, dtype: Any, **rope_parts: jax.Array) -> jax.Array:
         """softmax(q k^T * scale) v under the causal, segment-aware mask (`attention_core`)."""
         return attention_core(q, k, v, segment_ids_BS, scale=scale, impl=self.impl,
                               block_q=self.block_q, block_k=self.block_k, dtype=dtype,
-                              **rope_parts)
+                              context=self.context(q.shape[1]), **rope_parts)
 
 
 class Attention(nn.Module):

@@ -162,6 +162,9 @@ class MLA(nn.Module):
             ctx_BSHU = self._absorbed(q_nope_BSHA, q_pe_BSHP, cache, positions_BS, w_kvb, scale)
             return _project(self, "o", "BSHU,HUD->BSD", ctx_BSHU, w_o), cache
 
+        if self.core.gathers_kv(latent_BSC.shape[1]):  # context parallel: gather the latent, up-project locally
+            latent_BSC = nn.with_logical_constraint(latent_BSC, ("act_batch", None, None))
+            k_pe_BT1P = nn.with_logical_constraint(k_pe_BT1P, ("act_batch", None, None, None))
         kv_BSHK = _project(self, "kv_b", "BSC,CHK->BSHK", latent_BSC, w_kvb)
         k_nope_BTHA, v_BTHU = kv_BSHK[..., :A], kv_BSHK[..., A:]
         # Tags name what remat policies may save (see dsjax/remat.py).

@@ -66,7 +66,8 @@ class Pipelined(StagedModel):
                               f"into {self.microbatches} microbatches")
         count = jnp.sum(batch["weights"])
         # Each MTP module's loss is its mean over the whole batch's valid positions: [n].
-        mtp_count = jnp.sum(mtp_weights(batch["weights"], self.model.cfg.num_mtp_layers),
+        mtp_count = jnp.sum(mtp_weights(batch["weights"], self.model.cfg.num_mtp_layers,
+                                           self.model.seq_layout()),
                             axis=(1, 2))
         micro = _microbatches(batch, self.microbatches)
         params = self.gather(params)

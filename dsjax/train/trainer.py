@@ -25,6 +25,7 @@ from dsjax.errors import ConfigError
 from dsjax.model import ModelLoss, Transformer, count_params
 from dsjax.model.build import make_model
 from dsjax.model.batch import BATCH_KEYS, media_layout
+from dsjax.model.context_layout import Layout, to_layout
 from dsjax.model.preference import PreferenceLoss
 from dsjax.optim import OneBitAdam, make_optimizer
 from dsjax.optim import loss_scale as ls
@@ -113,8 +114,11 @@ class Trainer:
 
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Process-local numpy batch ([B, S], or [k, B/k, S] for accumulation) -> global arrays
-        sharded over `data`."""
+        sharded over `data`, rows in the context layout (split over `context`)."""
         accumulating = host_batch["inputs"].ndim == 3
+        layout = Layout(self.cfg.mesh.context, self.cfg.model.context_layout)
+        host_batch = {k: to_layout(a, layout) if k in BATCH_KEYS else a
+                      for k, a in host_batch.items()}
         return {k: jax.make_array_from_process_local_data(
             batching.step_sharding(sharding_k, accumulating), host_batch[k])
                 for k, sharding_k in self.batch_shardings.items()}
@@ -161,7 +165,7 @@ def check_fits(trainer: Trainer, shape: batching.Shape, phase: int) -> None:
 def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     mesh = sharding.make_mesh(cfg) if mesh is None else mesh
     sharding.check_device_count(cfg, mesh.size)
-    rules = sharding.logical_rules(cfg.mesh.fsdp, pipeline=cfg.mesh.pipeline > 1)
+    rules = sharding.rules_for(cfg)
     if cfg.remat.policy == "auto":  # compiles candidate policies, then builds the chosen one
         policy, layers, _ = remat_plan.choose(cfg, mesh, log=mx.log)
         cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy,
@@ -177,8 +181,10 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
     # mesh.pipeline > 1: the objective streams microbatches through the stages (dsjax/pipeline).
     # Shard_maps are typed (check_vma) except for fp8 (see `onebit_step`) and for a pipeline
     # nested in 1-bit Adam's gradient shard_map (the schedule types its values over `pipeline`
-    # alone; inside, they also vary over `data`).
-    typed = cfg.train.compute_dtype != "fp8" and not (onebit and cfg.mesh.pipeline > 1)
+    # alone; inside, they also vary over `data`), and for context parallelism (its attention's
+    # unchecked shard_maps over `context` nest inside the stages').
+    typed = (cfg.train.compute_dtype != "fp8" and not (onebit and cfg.mesh.pipeline > 1)
+             and cfg.mesh.context == 1)
     # train.task='dpo': preference pairs against a frozen copy of the starting params, which the
     # state keeps beside the params (dsjax/model/preference.py).
     dpo = cfg.train.task == "dpo"
