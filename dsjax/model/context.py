@@ -187,3 +187,26 @@ def _ring_backward(q_BSHK, k_BTNK, v_BTNU, seg_BS, seg_k_BT, out_BSHU, lse_BHS, 
             kv, seg_k = next_kv, next_seg
     return (dq_BSHK.astype(q_BSHK.dtype), dkv[..., :K].astype(k_BTNK.dtype),
             dkv[..., K:].astype(v_BTNU.dtype))
+
+
+def block_pairs(layout: Layout, seq: int, block_q: int, block_k: int, impl: str) -> list[int]:
+    """Per device, the (query block, key block) pairs its flash loops run for one causal row of
+    `seq` tokens in one document: its attention work (each pair is the same FLOPs). From the
+    same schedule the loops read (`flash.block_schedule`)."""
+    S = seq // layout.parts
+    ones = jnp.ones((1, S), jnp.int32)
+    counts = []
+    for d in range(layout.parts):
+        pos_q = layout.indices(seq, jnp.int32(d))
+        if impl == "all_gather":
+            keys = [jnp.arange(seq, dtype=jnp.int32)]
+        else:
+            keys = [layout.indices(seq, jnp.int32((d - step) % layout.parts))
+                    for step in range(layout.parts)]
+        total = 0
+        for pos_k in keys:
+            lo, hi, _, _ = flash.block_schedule(ones, jnp.ones((1, pos_k.shape[0]), jnp.int32),
+                                                pos_q, pos_k, block_q, block_k)
+            total += int(jnp.sum(jnp.maximum(hi - lo, 0)))
+        counts.append(total)
+    return counts
