@@ -5,13 +5,17 @@
   python launch.py --config configs/deepseek_7b.py --config.data.path=data/ds --workdir runs/ds7b
 Prints: one progress line every 10 steps with loss, tokens/s, ms/step and MFU against the bf16 peak.
 Sets only what differs from the defaults in dsjax/config/sections.py.
+
+`configs/deepseek_7b.py:long`: rows of 65,536 tokens on the same 8 GPUs, each row split over
+mesh.context = 2 (zigzag, all_gather; docs/context.md) with tensor 4 and full recomputation;
+8 rows a step, one at a time (accumulation). Its per-device memory, predicted from the compiled
+step: python benchmarks/context_table.py --config configs/deepseek_7b.py:long --model
 """
 
 from dsjax.config import defaults
 
 
 def get_config(arg=None):
-    del arg
     c = defaults()
     c.model.update(dict(
         num_layers=30,          # decoder blocks
@@ -43,4 +47,11 @@ def get_config(arg=None):
     c.pipeline.microbatches = 8  # when mesh.pipeline > 1 (docs/pipeline.md)
     c.checkpoint.every = 200    # steps between checkpoints
     c.metrics.profile_every = 100  # trace one step every N steps: communication share
+    if arg == "long":
+        # 64k-token rows: the sequence split over 2 devices, heads over 4; each device holds
+        # 32,768 tokens of a row. fsdp has no `data` axis to shard over here (data = 1).
+        c.mesh.update(dict(data=1, tensor=4, context=2, fsdp=False))
+        c.model.context_impl = "all_gather"  # keys and values whole (MHA: 1 GiB a layer, bf16)
+        c.data.update(dict(seq_len=65536, global_batch=8))
+        c.batch.micro_batch = 1  # one row per micro-step, 8 accumulated: 512k tokens a step
     return c

@@ -133,6 +133,22 @@ SMOKE = {
                   "moe.json", {"rows", "backend", "dims", "routed_fwd_flops", *LOAD_KEYS},
                   {"impl", "tile", "temp_bytes", "fwd_flops", "step_flops", "fwd_vs_routed",
                    "temp_vs_capacity"}),
+    # The attention at 256 tokens over 1 and 2 devices (blocks of 16: 8 a shard), and the long
+    # config's whole step at a tiny width.
+    "context_table": ("context_table", ["--config", "configs/cpu_tiny.py", "--seq", "256",
+                                        "--contexts", "1,2", "--block", "16", "--out",
+                                        "{out}/context.json"],
+                      "context.json", {"rows", "config", "seq", "dtype", "heads", "backend"},
+                      {"context", "impl", "temp_bytes", "temp_vs_cp1", "one_over_c",
+                       "total_bytes", "total_vs_cp1", "context_bytes", "blocks_zigzag",
+                       "blocks_contiguous", "imbalance_zigzag", "imbalance_contiguous"}),
+    "context_table_model": ("context_table", [
+        "--config", "configs/deepseek_7b.py:long", "--model", "--seq", "64", "--contexts", "1",
+        "--block", "16", *[f"--config.{k}={v}" for k, v in {
+            "model.num_layers": 2, "model.hidden_size": 128, "model.num_heads": 4,
+            "model.num_kv_heads": 4, "model.mlp_dim": 256, "model.vocab_size": 512,
+            "data.seq_len": 256}.items()], "--out", "{out}/context.json"],
+        "context.json", {"rows", "model"}, None),
     "decode_speed": ("decode_speed", ["--config", "configs/cpu_tiny.py", *TINY_SET,
                                       "--new_tokens", "8", "--rounds", "1", "--out",
                                       "{out}/decode.json"],
@@ -190,6 +206,12 @@ DOCUMENTED = {
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
     "python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json":
         "attention_table",
+    "python benchmarks/context_table.py --out benchmarks/results/context_table_7b_32k.json":
+        "context_table",
+    "python benchmarks/context_table.py --config configs/deepseek_7b.py:long --model":
+        "context_table_model",
+    "python benchmarks/context_table.py --config configs/deepseek_7b.py:long --model "
+    "--out benchmarks/results/context_long_7b.json": "context_table_model",
     "python benchmarks/moe_table.py": "moe_table",
     "python benchmarks/moe_table.py --out benchmarks/results/moe_table_v2_lite.json": "moe_table",
     "python benchmarks/decode_speed.py --config configs/cpu_tiny.py --new_tokens 256 "
@@ -270,9 +292,21 @@ def test_every_documented_command_has_a_smoke_run():
                                   "pipeline_table_flags", "remat_table",
                                   "remat_table_baseline", "remat_table_moe", "comm_bytes",
                                   "comm_bytes_smoke", "fp8_hlo", "attention_table",
-                                  "decode_speed", "moe_table"])
+                                  "decode_speed", "moe_table", "context_table",
+                                  "context_table_model"])
 def test_documented_command(name, tmp_path):
     printed, result = run_smoke(name, tmp_path)
+    if name == "context_table":
+        # 256 tokens, blocks of 16, 2 devices: a query block ending at token p meets p // 16 + 1
+        # key blocks. zigzag: device 0 holds chunks 0 and 3 (1..4 and 13..16: 10 + 58), device 1
+        # chunks 1 and 2 (5..8 and 9..12: 26 + 42); contiguous: 1..8 = 36 against 9..16 = 100.
+        ring = [r for r in result["rows"] if r["impl"] == "ring"][0]
+        assert ring["blocks_zigzag"] == [68, 68]
+        assert ring["blocks_contiguous"] == [36, 100]
+    if name == "context_table_model":
+        model = result["model"]
+        assert model["mesh"] == {"data": 1, "tensor": 4, "pipeline": 1, "context": 2}
+        assert model["context_bytes_per_step"] > 0 and model["fits"]
     if name == "moe_table":
         assert [r["impl"] for r in result["rows"]] == ["capacity", "ragged", "padded"]
         assert result["rows"][0]["temp_vs_capacity"] == 1

@@ -142,8 +142,8 @@ MLA_MOE_MTP = ("configs/cpu_moe.py", {"model.num_layers": 3, "model.hidden_size"
 def loss_and_grads(config, overrides, mesh):
     data, tensor, context = mesh
     cfg = config_lib.load(os.path.join(ROOT, config), {
-        **overrides, "data.seq_len": SEQ, "data.global_batch": 4, "mesh.data": data,
-        "mesh.tensor": tensor, "mesh.pipeline": 1, "mesh.context": context})
+        "data.seq_len": SEQ, "data.global_batch": 4, "mesh.data": data, "mesh.tensor": tensor,
+        "mesh.pipeline": 1, "mesh.context": context, **overrides})
     trainer = train.build_trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:cfg.mesh.size]))
     state = trainer.init()
     batch = trainer.device_batch(random_batch(np.random.default_rng(7), 4, SEQ, vocab=512))
@@ -170,10 +170,14 @@ def reference():
     ("dense", (2, 1, 4), "all_gather"),
     ("mla_moe_mtp", (2, 1, 2), "all_gather"),
     ("mla_moe_mtp", (2, 1, 4), "ring"),
+    ("dense", (1, 1, 2), "ring_gpipe"),  # inside 2 gpipe stages: (1, 1, 2, 2)
 ])
 def test_context_parallel_loss_and_gradients_equal_unsplit(reference, model, mesh, impl):
     config, overrides = {"dense": DENSE, "mla_moe_mtp": MLA_MOE_MTP}[model]
     want_loss, want = reference[model]
+    if impl == "ring_gpipe":
+        impl, overrides = "ring", {**overrides, "mesh.pipeline": 2, "pipeline.schedule": "gpipe",
+                                   "pipeline.microbatches": 2}
     loss, grads = loss_and_grads(config, {**overrides, "model.context_impl": impl}, mesh)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
     flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
@@ -185,6 +189,27 @@ def test_context_parallel_loss_and_gradients_equal_unsplit(reference, model, mes
         assert scale > 0, name  # every other parameter is trained
         err = np.max(np.abs(g - w)) / scale
         assert err < 1e-5, (name, err)
+
+
+def test_ring_traffic_counted_from_the_compiled_program():
+    """The bytes one device sends along `context` for forward + backward, read from the HLO with
+    each collective times its loop's trip count, against the ring by hand: C - 1 shards of k, v
+    (and ids) forward; C - 1 of k, v and C of float32 dk, dv backward."""
+    C, S, N, K = 4, 64, 2, 8
+    mesh = Mesh(np.array(jax.devices()[:C]).reshape(1, 1, 1, C), sharding.MESH_AXES)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.CONTEXT))
+    q = jax.ShapeDtypeStruct((1, S, N, K), jnp.float32, sharding=split)
+    seg = jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=split)
+    grad = jax.grad(lambda q, k, v, s: jnp.sum(context_attention(
+        q, k, v, s, scale=0.3, block_q=8, block_k=8, impl="ring", layout=Layout(C, "zigzag"))),
+        (0, 1, 2))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(grad).lower(q, q, q, seg).compile().as_text()
+    shard, ids = S // C * N * K * 4, S // C * 4  # bytes of one device's k (or v), its ids
+    forward = (C - 1) * (2 * shard + ids)
+    backward = (C - 1) * (2 * shard + ids) + C * 2 * shard
+    from dsjax.metrics import looped_axis_bytes
+    assert looped_axis_bytes(hlo, mesh, sharding.CONTEXT) == forward + backward
 
 
 def test_launch_trains_context_2_inside_a_pipeline_to_the_same_losses(tmp_path):

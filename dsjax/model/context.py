@@ -138,55 +138,72 @@ def _combine(out_BSHU, lse_BHS, part_BSHU, part_lse_BHS):
     return out_BSHU * w_old + part_BSHU.astype(F32) * w_new, lse_new
 
 
+def _rotate(shards, parts, after=()):
+    """Each array of `shards` to the next device, one collective after another, the first
+    once `after` exists (a step's compute: so at most two steps' shards are ever held)."""
+    out = []
+    for x in shards:
+        out.append(_send(_after(x, *after, *out[-1:]), parts))
+    return out
+
+
 def _ring_forward(q_BSHK, k_BTNK, v_BTNU, seg_BS, seg_k_BT, *, scale, block_q, block_k, layout):
     """C steps: the local queries against the shard held (the own one first), while the next
-    shard travels; partial outputs combined by their logsumexps."""
+    shard travels; partial outputs combined by their logsumexps. A loop, not C copies of the
+    flash blocks: each copy would keep its own block buffers."""
     del seg_k_BT  # the same shard as seg_BS: the ring sends it on
-    B, S, H, K = q_BSHK.shape
+    B, S, H, _ = q_BSHK.shape
     parts, seq = layout.parts, S * layout.parts
     pos_q_S = layout.indices(seq, lax.axis_index(CONTEXT))
-    kv, seg_k = jnp.concatenate([k_BTNK, v_BTNU.astype(k_BTNK.dtype)], axis=-1), seg_BS
-    out_BSHU = jnp.zeros((B, S, H, v_BTNU.shape[-1]), F32)
-    lse_BHS = jnp.full((B, H, S), -jnp.inf, F32)
-    for step in range(parts):
-        if step + 1 < parts:  # the next shard travels while this one is attended to
-            next_kv = _send(kv, parts)
-            next_seg = _send(_after(seg_k, next_kv), parts)
-        part, part_lse = flash.forward(q_BSHK, kv[..., :K], kv[..., K:].astype(v_BTNU.dtype),
-                                       seg_BS, seg_k, pos_q_S, _source_indices(layout, seq, step),
-                                       scale, block_q, block_k)
-        out_BSHU, lse_BHS = _combine(out_BSHU, lse_BHS, part, part_lse)
-        if step + 1 < parts:
-            kv, seg_k = next_kv, next_seg
+
+    def attend(step, out_BSHU, lse_BHS, shard):
+        part, part_lse = flash.forward(q_BSHK, shard[0], shard[1], seg_BS, shard[2], pos_q_S,
+                                       _source_indices(layout, seq, step), scale, block_q,
+                                       block_k)
+        return _combine(out_BSHU, lse_BHS, part, part_lse)
+
+    def step_fn(step, carry):  # the next shard travels while this one is attended to
+        out_BSHU, lse_BHS, shard = carry
+        arriving = _rotate(shard, parts, after=(out_BSHU,))
+        out_BSHU, lse_BHS = attend(step, out_BSHU, lse_BHS, shard)
+        return out_BSHU, lse_BHS, tuple(arriving)
+
+    init = (jnp.zeros((B, S, H, v_BTNU.shape[-1]), F32), jnp.full((B, H, S), -jnp.inf, F32),
+            (k_BTNK, v_BTNU, seg_BS))
+    out_BSHU, lse_BHS, shard = lax.fori_loop(0, parts - 1, step_fn, init)
+    out_BSHU, lse_BHS = attend(parts - 1, out_BSHU, lse_BHS, shard)
     return out_BSHU.astype(v_BTNU.dtype), lse_BHS
 
 
 def _ring_backward(q_BSHK, k_BTNK, v_BTNU, seg_BS, seg_k_BT, out_BSHU, lse_BHS, dout_BSHU, *,
                    scale, block_q, block_k, layout):
     """Each step: the local queries against the shard held (`flash.backward` with the final
-    output and logsumexp), dq kept, the shard's dk, dv sent on with it; after the last step
-    they travel once more and arrive home."""
+    output and logsumexp), dq kept, the shard's dk, dv (float32) sent on with it; after the
+    last step they travel once more and arrive home."""
     del seg_k_BT
-    S, K = q_BSHK.shape[1], k_BTNK.shape[-1]
+    S = q_BSHK.shape[1]
     parts, seq = layout.parts, S * layout.parts
     pos_q_S = layout.indices(seq, lax.axis_index(CONTEXT))
-    kv, seg_k = jnp.concatenate([k_BTNK, v_BTNU.astype(k_BTNK.dtype)], axis=-1), seg_BS
-    dq_BSHK = jnp.zeros(q_BSHK.shape, F32)
-    dkv = jnp.zeros(kv.shape, F32)
-    for step in range(parts):
-        if step + 1 < parts:
-            next_kv = _send(_after(kv, dkv), parts)
-            next_seg = _send(_after(seg_k, next_kv), parts)
-        dq, dk, dv = flash.backward(q_BSHK, kv[..., :K], kv[..., K:].astype(v_BTNU.dtype),
-                                    seg_BS, seg_k, pos_q_S, _source_indices(layout, seq, step),
-                                    out_BSHU, lse_BHS, dout_BSHU, scale, block_q, block_k)
-        dq_BSHK += dq
-        dkv = dkv + jnp.concatenate([dk.astype(F32), dv.astype(F32)], axis=-1)
-        dkv = _send(dkv if step + 1 == parts else _after(dkv, next_seg), parts)
-        if step + 1 < parts:
-            kv, seg_k = next_kv, next_seg
-    return (dq_BSHK.astype(q_BSHK.dtype), dkv[..., :K].astype(k_BTNK.dtype),
-            dkv[..., K:].astype(v_BTNU.dtype))
+
+    def grads_of(step, dq_BSHK, grads, shard):
+        dq, dk, dv = flash.backward(q_BSHK, shard[0], shard[1], seg_BS, shard[2], pos_q_S,
+                                    _source_indices(layout, seq, step), out_BSHU, lse_BHS,
+                                    dout_BSHU, scale, block_q, block_k)
+        return dq_BSHK + dq, (grads[0] + dk.astype(F32), grads[1] + dv.astype(F32))
+
+    def step_fn(step, carry):
+        dq_BSHK, grads, shard = carry
+        arriving = _rotate(shard, parts, after=grads[-1:])
+        dq_BSHK, grads = grads_of(step, dq_BSHK, grads, shard)
+        return dq_BSHK, tuple(_rotate(grads, parts, after=arriving[-1:])), tuple(arriving)
+
+    init = (jnp.zeros(q_BSHK.shape, F32),
+            (jnp.zeros(k_BTNK.shape, F32), jnp.zeros(v_BTNU.shape, F32)),
+            (k_BTNK, v_BTNU, seg_BS))
+    dq_BSHK, grads, shard = lax.fori_loop(0, parts - 1, step_fn, init)
+    dq_BSHK, grads = grads_of(parts - 1, dq_BSHK, grads, shard)
+    dk, dv = _rotate(grads, parts)  # home
+    return dq_BSHK.astype(q_BSHK.dtype), dk.astype(k_BTNK.dtype), dv.astype(v_BTNU.dtype)
 
 
 def block_pairs(layout: Layout, seq: int, block_q: int, block_k: int, impl: str) -> list[int]:

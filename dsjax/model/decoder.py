@@ -227,7 +227,9 @@ class Transformer(nn.Module):
         next-token loss), "moe_load" [MoE layers, E] and "mtp_loss" [num_mtp_layers]."""
         cfg = self.cfg
         if positions_BS is None:
-            order = self.seq_layout().order(tokens_BS.shape[1])
+            S, layout = tokens_BS.shape[1], self.seq_layout()
+            # (init traces a short dummy row that no layout splits: natural order)
+            order = layout.order(S) if S % layout.chunks == 0 else np.arange(S)
             positions_BS = jnp.broadcast_to(jnp.asarray(order, jnp.int32), tokens_BS.shape)
         if segment_ids_BS is None:
             segment_ids_BS = jnp.ones_like(tokens_BS)

@@ -141,15 +141,12 @@ class AttentionCore:
 
     def context(self, seq_len: int) -> tuple[str, Layout] | None:
         """(context impl, layout) while tracing rows of `seq_len` split over `context`; None
-        when they are not (the mesh and rules in effect say which), and for the one-token rows
-        that parameter init traces."""
+        when they are not (the mesh and rules in effect say which), and for the short dummy
+        rows parameter init traces, which no layout splits (data.seq_len is checked to)."""
         parts = context_size()
-        if parts == 1 or seq_len == 1:
-            return None
         layout = Layout(parts, self.context_layout)
-        if seq_len % layout.chunks:
-            raise ValueError(f"a row of {seq_len} tokens does not split into {layout.chunks} "
-                             f"equal chunks over mesh.context {parts}")
+        if parts == 1 or seq_len % layout.chunks:
+            return None
         return self.context_impl, layout
 
     def gathers_kv(self, seq_len: int) -> bool:
