@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from conftest import ROOT, random_batch, run_launch, shared_run, tiny
+from conftest import ROOT, random_batch, run_launch, tiny
 from dsjax import config as config_lib
 from dsjax import sharding, train
 from dsjax.config import ConfigError
@@ -213,17 +213,19 @@ def test_ring_traffic_counted_from_the_compiled_program():
 
 
 def test_launch_trains_context_2_inside_a_pipeline_to_the_same_losses(tmp_path):
-    """cpu_tiny at (data, tensor, pipeline, context) = (1, 2, 2, 2) through launch.py, against
-    the suite's (2, 2, 2, 1) run of the same flags and global batch."""
-    flags = {"metrics.profile_every": 3, "metrics.cost_per_gpu_hour": 2.5}
-    base, _ = shared_run("train-contract", flags)
-    workdir = str(tmp_path / "run")
-    proc = run_launch(workdir, {**flags, "mesh.data": 1, "mesh.context": 2})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """cpu_tiny at (data, tensor, pipeline, context) = (1, 2, 2, 2) through launch.py, 5 steps,
+    against (2, 2, 2, 1) with the same flags and global batch (1f1b, all_gather)."""
+    flags = {"train.steps": 5, "metrics.profile_every": 0, "train.sample_tokens": 0}
+    runs = {}
+    for name, mesh in (("context", {"mesh.data": 1, "mesh.context": 2}), ("base", {})):
+        runs[name] = str(tmp_path / name)
+        proc = run_launch(runs[name], {**flags, **mesh})
+        assert proc.returncode == 0, proc.stderr[-3000:]
     read = lambda d: [json.loads(line)["loss"] for line in open(os.path.join(d, "metrics.jsonl"))
                       if "loss" in json.loads(line)]
-    np.testing.assert_allclose(read(workdir), read(base), rtol=1e-4)
-    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+    assert len(read(runs["base"])) == 5
+    np.testing.assert_allclose(read(runs["context"]), read(runs["base"]), rtol=1e-4)
+    with open(os.path.join(runs["context"], "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     assert summary["mesh"] == {"data": 1, "tensor": 2, "pipeline": 2, "context": 2}
     assert np.isfinite(summary["eval_loss"])
