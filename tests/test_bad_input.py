@@ -66,7 +66,7 @@ def _tree_digest(directory):
 # (id, overrides, extra launch.py args, expected text of the one error line)
 CASES = [
     ("mesh_vs_devices", {"mesh.data": 2}, ["XLA8"],
-     "mesh: data*tensor*pipeline = 2*2*1 = 4 must equal the device count 8"),
+     "mesh: data*tensor*pipeline*context = 2*2*1*1 = 4 must equal the device count 8"),
     ("heads_vs_hidden", {"model.num_heads": 3, "model.num_kv_heads": 3}, [], "model.num_heads:"),
     ("kv_heads_vs_heads", {"model.num_kv_heads": 3}, [], "model.num_kv_heads:"),
     ("mlp_vs_tensor", {"model.mlp_dim": 127}, [], "model.mlp_dim:"),

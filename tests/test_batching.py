@@ -131,7 +131,7 @@ def test_accumulated_step_equals_one_big_batch_under_the_pipeline():
                                     "optim.warmup_steps": 0}))
     cfg = trainer.cfg
     assert (cfg.pipeline.schedule, cfg.pipeline.microbatches, dict(trainer.mesh.shape)) == (
-        "1f1b", 4, {"data": 2, "tensor": 2, "pipeline": 2})
+        "1f1b", 4, {"data": 2, "tensor": 2, "pipeline": 2, "context": 1})
     rng = np.random.default_rng(5)
     host = random_batch(rng, 16, 16)
     # As in the flat test: micro-batches (and pipeline microbatches) of unequal token counts.

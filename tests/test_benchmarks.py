@@ -206,6 +206,7 @@ DOCUMENTED = {
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
     "python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json":
         "attention_table",
+    "python benchmarks/context_table.py": "context_table",
     "python benchmarks/context_table.py --out benchmarks/results/context_table_7b_32k.json":
         "context_table",
     "python benchmarks/context_table.py --config configs/deepseek_7b.py:long --model":

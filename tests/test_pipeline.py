@@ -449,7 +449,7 @@ def test_checkpoint_written_with_pp2_evaluates_with_pp1(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         trained = json.load(f)
-    assert trained["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}
+    assert trained["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2, "context": 1}
     assert trained["pipeline_bubble"] == pytest.approx(1 / 3)
     proc = run_launch(workdir, {"mesh.data": 4, "mesh.tensor": 2, "mesh.pipeline": 1},
                       mode="eval")
@@ -477,7 +477,7 @@ def test_moe_dense_fallback_trains_in_a_pipeline_on_data_and_tensor(tmp_path):
     # 6.04; batches alone move the loss by ~0.01 (steps 1 and 2, the same weights).
     assert records[-1]["loss"] < records[0]["loss"] - 0.1, [r["loss"] for r in records]
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
-        assert json.load(f)["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}
+        assert json.load(f)["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2, "context": 1}
     # Every MoE layer on both stages, and the MTP module, counted its assignments: each row is
     # its experts' shares (rounded to 4 decimals in metrics.jsonl: 8 * 5e-5 off at most).
     for r in records:

@@ -185,12 +185,16 @@ def test_the_recipe_chains_its_stages_and_sums_them_up(tmp_path):
     stage = stopped.group(1)
     later = ("pretrain", "sft", "dpo")[("pretrain", "sft", "dpo").index(stage) + 1:]
     assert not any(os.path.exists(os.path.join(workdir, s)) for s in later)
-    stopped_at = read_records(os.path.join(workdir, stage))[-1]["step"]
+    # A stage may start after the budget is spent (when the one before finished inside it: its
+    # step was compiled before its clock started) and stop before its first step: no records.
+    records = read_records(os.path.join(workdir, stage))
+    stopped_at = records[-1]["step"] if records else 0
     assert stopped_at < RECIPE[f"posttrain.{stage}_steps"]
 
     proc = run_launch(workdir, RECIPE, config="configs/cpu_sft.py", timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert f"resumed from step {stopped_at} ({workdir}/{stage}/checkpoints)" in proc.stdout
+    if stopped_at:
+        assert f"resumed from step {stopped_at} ({workdir}/{stage}/checkpoints)" in proc.stdout
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     stages = {s: os.path.join(workdir, s) for s in ("pretrain", "sft", "dpo")}

@@ -178,7 +178,7 @@ def test_checkpoint_of_one_mesh_restores_evaluates_and_trains_on_another(tmp_pat
     for got, ref, leaf in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(saved),
                               jax.tree.leaves(params)):
         np.testing.assert_array_equal(got, ref)  # values identical; only the layout changed
-        assert leaf.sharding.mesh.devices.shape == shape
+        assert leaf.sharding.mesh.devices.shape == (*shape, 1)  # context 1
     _, got = target.step(restored, target.device_batch(batches[1]))
     # Another mesh reduces in another order: float32 rounding, not bit equality.
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)

@@ -48,7 +48,7 @@ def test_run_directory_contract(finished_run):
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
-    assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}  # cpu_tiny's own
+    assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2, "context": 1}  # its own
     assert summary["steps"] == 4 and summary["final_train_loss"] == records[-1]["loss"]
     assert 0 < summary["eval_bits_per_byte"] < 10
     assert "joules_per_sample" not in summary
@@ -125,8 +125,8 @@ def test_mesh_that_does_not_match_the_devices_is_one_clear_line(tmp_path):
     proc = run_launch(str(tmp_path / "bad"), {"mesh.data": 4, "pipeline.microbatches": 2},
                       xla_flags="--xla_force_host_platform_device_count=8")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "dsjax: error: mesh: data*tensor*pipeline = 4*2*2 = 16 must equal the device count 8" \
-        in proc.stderr, proc.stderr[-2000:]
+    assert ("dsjax: error: mesh: data*tensor*pipeline*context = 4*2*2*1 = 16 must equal the "
+            "device count 8") in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("flag, field", [
