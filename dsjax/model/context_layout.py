@@ -31,10 +31,15 @@ class Layout:
         """Equal chunks a row is cut into: 2 per device for zigzag, else 1."""
         return self.parts * (2 if self.kind == "zigzag" and self.parts > 1 else 1)
 
+    @property
+    def permutes(self) -> bool:
+        """Whether layout order differs from the natural order (zigzag over 2+ devices)."""
+        return self.chunks != self.parts
+
     def order(self, seq_len: int) -> np.ndarray:
         """[S] int: the natural index of the token at each layout position."""
         c = seq_len // self.chunks
-        if self.chunks == self.parts:
+        if not self.permutes:
             return np.arange(seq_len)
         chunk_ids = [g for d in range(self.parts) for g in (d, 2 * self.parts - 1 - d)]
         return np.concatenate([np.arange(g * c, (g + 1) * c) for g in chunk_ids])
@@ -44,7 +49,7 @@ class Layout:
         axis_index) holds, increasing."""
         c = seq_len // self.chunks
         local = jnp.arange(c, dtype=jnp.int32)
-        if self.chunks == self.parts:
+        if not self.permutes:
             return device * c + local
         return jnp.concatenate([device * c + local, (2 * self.parts - 1 - device) * c + local])
 
@@ -53,7 +58,7 @@ class Layout:
         layout form of a[:, i + k]. Static indices: one gather (an all-gather of the small
         [B, S] array when the row is split)."""
         S = a_BS.shape[1]
-        if self.parts == 1 or self.chunks == self.parts:
+        if not self.permutes:
             return jnp.pad(a_BS[:, k:], ((0, 0), (0, k)))
         order = self.order(S)
         where = np.argsort(order)  # layout position of each natural index
@@ -64,10 +69,18 @@ class Layout:
         return jnp.where(jnp.asarray(valid)[None], out, jnp.zeros((), a_BS.dtype))
 
 
+def row_layout(parts: int, kind: str, seq_len: int) -> Layout:
+    """The layout of a traced row of `seq_len` tokens with the sequence split over `parts`
+    devices: natural (`Layout()`) when it is not split, and for the short dummy rows parameter
+    init traces, which no layout splits (data.seq_len is checked to split)."""
+    layout = Layout(parts, kind)
+    return Layout() if parts == 1 or seq_len % layout.chunks else layout
+
+
 def natural_order(x: jax.Array, layout: Layout, axis: int = 1) -> jax.Array:
     """A whole row in layout order -> natural order along `axis`, by slices and a flip (no
     gather: no index arrays to keep for the backward)."""
-    if layout.chunks == layout.parts:
+    if not layout.permutes:
         return x
     C, S = layout.parts, x.shape[axis]
     halves = x.reshape(*x.shape[:axis], C, 2, S // (2 * C), *x.shape[axis + 1:])
@@ -77,7 +90,7 @@ def natural_order(x: jax.Array, layout: Layout, axis: int = 1) -> jax.Array:
 
 def layout_order(x: jax.Array, layout: Layout, axis: int = 1) -> jax.Array:
     """`natural_order`'s inverse: a whole row in natural order -> layout order."""
-    if layout.chunks == layout.parts:
+    if not layout.permutes:
         return x
     C, S = layout.parts, x.shape[axis]
     chunks = x.reshape(*x.shape[:axis], 2 * C, S // (2 * C), *x.shape[axis + 1:])
@@ -88,13 +101,13 @@ def layout_order(x: jax.Array, layout: Layout, axis: int = 1) -> jax.Array:
 
 def to_layout(a: np.ndarray, layout: Layout) -> np.ndarray:
     """A host array [..., S] in natural order -> layout order (the batch the mesh splits)."""
-    if layout.parts == 1 or layout.chunks == layout.parts:
+    if not layout.permutes:
         return a
     return np.take(a, layout.order(a.shape[-1]), axis=-1)
 
 
 def from_layout(a: np.ndarray, layout: Layout) -> np.ndarray:
     """`to_layout`'s inverse, for results read back per token."""
-    if layout.parts == 1 or layout.chunks == layout.parts:
+    if not layout.permutes:
         return a
     return np.take(a, np.argsort(layout.order(a.shape[-1])), axis=-1)

@@ -18,7 +18,7 @@ from dsjax import fp8, remat
 from dsjax.config import ModelConfig
 from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
-from dsjax.model.context_layout import Layout
+from dsjax.model.context_layout import Layout, row_layout
 from dsjax.model.loss import AUX, head_nll
 from dsjax.model.layers import (ROUTED_EXPERTS, Attention, AttentionCore, RMSNorm, SwiGLU,
                                 _param, prepare_fp8_weights, rms_norm)
@@ -124,10 +124,10 @@ class Transformer(nn.Module):
         `model.scan_layers=False`."""
         return bool(self.scan_unroll) or not self.cfg.scan_layers
 
-    def seq_layout(self) -> Layout:
-        """The order of a row's tokens while tracing: split over `context` (model.context_layout)
-        or natural (dsjax.model.context_layout)."""
-        return Layout(context_size(), self.cfg.context_layout)
+    def seq_layout(self, seq_len: int) -> Layout:
+        """The order of a traced row's tokens: split over `context` (model.context_layout) or
+        natural (`context_layout.row_layout`)."""
+        return row_layout(context_size(), self.cfg.context_layout, seq_len)
 
     def attention_impl(self, seq_len: int) -> str:
         """The attention core's implementation at this sequence length (model.attention_impl,
@@ -227,9 +227,7 @@ class Transformer(nn.Module):
         next-token loss), "moe_load" [MoE layers, E] and "mtp_loss" [num_mtp_layers]."""
         cfg = self.cfg
         if positions_BS is None:
-            S, layout = tokens_BS.shape[1], self.seq_layout()
-            # (init traces a short dummy row that no layout splits: natural order)
-            order = layout.order(S) if S % layout.chunks == 0 else np.arange(S)
+            order = self.seq_layout(tokens_BS.shape[1]).order(tokens_BS.shape[1])
             positions_BS = jnp.broadcast_to(jnp.asarray(order, jnp.int32), tokens_BS.shape)
         if segment_ids_BS is None:
             segment_ids_BS = jnp.ones_like(tokens_BS)
@@ -323,7 +321,7 @@ class Transformer(nn.Module):
         cfg, n = self.cfg, self.cfg.num_mtp_layers
         block = self._layer_fn("none", False, positions_BS, segment_ids_BS, cfg.is_moe)
         sums, stats = [], []
-        layout = self.seq_layout()
+        layout = self.seq_layout(tokens_BS.shape[1])
         valid_NBS = mtp_weights(weights_BS, n, layout)
         for k in range(1, n + 1):
             e_BSD = embed_tokens(embedding_VD, layout.ahead(tokens_BS, k), self.dtype)

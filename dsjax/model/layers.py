@@ -22,7 +22,7 @@ from dsjax import fp8
 from dsjax.model import kv_cache
 from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (re-export)
 from dsjax.model.attention import masked_attention
-from dsjax.model.context_layout import Layout
+from dsjax.model.context_layout import Layout, row_layout
 from dsjax.sharding import context_size
 
 Dtype = Any
@@ -140,14 +140,10 @@ class AttentionCore:
     context_layout: str = "zigzag"
 
     def context(self, seq_len: int) -> tuple[str, Layout] | None:
-        """(context impl, layout) while tracing rows of `seq_len` split over `context`; None
-        when they are not (the mesh and rules in effect say which), and for the short dummy
-        rows parameter init traces, which no layout splits (data.seq_len is checked to)."""
-        parts = context_size()
-        layout = Layout(parts, self.context_layout)
-        if parts == 1 or seq_len % layout.chunks:
-            return None
-        return self.context_impl, layout
+        """(context impl, layout) while tracing rows of `seq_len` split over `context` (the mesh
+        and rules in effect say whether they are, `context_layout.row_layout`); else None."""
+        layout = row_layout(context_size(), self.context_layout, seq_len)
+        return None if layout.parts == 1 else (self.context_impl, layout)
 
     def gathers_kv(self, seq_len: int) -> bool:
         """True when keys and values must be whole rows before the core (all_gather)."""

@@ -67,7 +67,7 @@ class Pipelined(StagedModel):
         count = jnp.sum(batch["weights"])
         # Each MTP module's loss is its mean over the whole batch's valid positions: [n].
         mtp_count = jnp.sum(mtp_weights(batch["weights"], self.model.cfg.num_mtp_layers,
-                                           self.model.seq_layout()),
+                                           self.model.seq_layout(batch["weights"].shape[-1])),
                             axis=(1, 2))
         micro = _microbatches(batch, self.microbatches)
         params = self.gather(params)
