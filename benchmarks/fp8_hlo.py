@@ -70,11 +70,10 @@ def expected_counts(trainer) -> tuple[int, int]:
     model = trainer.model
     core = ATTENTION_CORE_DOTS[model.attention_impl(trainer.cfg.data.seq_len)]
     head = CHUNKED_HEAD_DOTS if trainer.cfg.model.loss_chunk else HEAD_DOTS
-    fp8_names = len(model.fp8_policy.matmuls) if model.fp8_policy is not None else 0
     fp8_dots = high = 0
-    for _, _, use_fp8, pattern in model._segments():  # pylint: disable=protected-access
+    for _, _, key, pattern in model._segments():  # pylint: disable=protected-access
         n = len(pattern)  # distinct layer bodies in this segment's scan
-        in_fp8 = fp8_names if use_fp8 else 0
+        in_fp8 = len(key[0][0])  # the segment's fp8 projections
         fp8_dots += 3 * in_fp8 * n
         high += (core + 3 * (MATMULS - in_fp8)) * n
     return fp8_dots, high + head

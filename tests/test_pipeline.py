@@ -673,18 +673,28 @@ def test_hand_backward_with_delayed_fp8_matches_the_unpipelined_model(schedule, 
         assert np.all(np.delete(w, kept, axis=0) > 0) and np.all(w[kept] == 0)  # kept: unused
 
 
-@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
-def test_layers_kept_out_of_fp8_switch_per_stage_under_gpipe_and_circular(schedule, repeats):
-    """fp8.keep_first_layers / keep_last_layers under the jax.grad schedules, current scaling.
-    Both microbatches (rows m, M + m, ...) hold the same rows, so every per-tensor scale is the
-    whole batch's, as unpipelined, and loss and gradients must match the unpipelined fp8 model.
-    The kept layers differ between chunks, so they run their `lax.cond` switch."""
+KEEP_ENDS = {"fp8.keep_first_layers": 1, "fp8.keep_last_layers": 1}
+# A per-projection map (codes in q,k,v,o,gate,up,down order; 8 fp8, o other_dtype, f float32)
+# whose chunks differ at every position: 4 distinct layer choices to switch among.
+LAYER_MAP = {"fp8.layers": "8o88888,888o8o8,88888oo,f888888"}
+
+
+@pytest.mark.parametrize("schedule, repeats, choice", [
+    ("gpipe", 1, KEEP_ENDS), ("circular", 2, KEEP_ENDS), ("gpipe", 1, LAYER_MAP),
+    ("1f1b", 1, LAYER_MAP), ("interleaved_1f1b", 2, LAYER_MAP)])
+def test_layers_kept_out_of_fp8_switch_per_stage_under_gpipe_and_circular(schedule, repeats,
+                                                                          choice):
+    """fp8.keep_first_layers / keep_last_layers, and a per-projection map (fp8.layers, what
+    fp8.select=auto writes), current scaling. Both microbatches (rows m, M + m, ...) hold the
+    same rows, so every per-tensor scale is the whole batch's, as unpipelined, and loss and
+    gradients must match the unpipelined fp8 model. The layers' choices differ between chunks,
+    so they run their `lax.switch` at run time."""
     cfg = _pipelined((2, 2, 2), schedule, 2, repeats, **{
-        "train.compute_dtype": "fp8", "fp8.other_dtype": "float32",
-        "fp8.keep_first_layers": 1, "fp8.keep_last_layers": 1})
+        "train.compute_dtype": "fp8", "fp8.other_dtype": "float32", **choice})
     trainer = train.build_trainer(cfg)
     state = trainer.init()
     assert state.objective.fp8_switch()
+    assert len(state.objective.fp8_variants()) == (4 if choice is LAYER_MAP else 2)
     rows = random_batch(np.random.default_rng(4), 4, 16, vocab=128)
     host_batch = {k: np.repeat(v, 2, axis=0) for k, v in rows.items()}  # microbatches alike
     with sharding.activate(trainer.mesh, trainer.rules):

@@ -32,7 +32,7 @@ class Batcher:
         self.workers = max(self.data // jax.process_count(), 1)  # data shards of this process
         self.seq_len = cfg.data.seq_len
         self.stream = stream
-        self.programs: Programs = trainer.programs
+        self.trainer = trainer
         self.phase_at = trainer.phase_at  # THE phase rule (1-bit Adam's optimizer decides)
         self.log = log
         self.capacity = device_memory_bytes(trainer.mesh.local_devices[0],
@@ -50,6 +50,11 @@ class Batcher:
                                      self._prefetch)
         if self.cfg.policy == "ramp":
             self.controller.size = self.controller.ramp_size(0)
+
+    @property
+    def programs(self) -> Programs:
+        """The trainer's compiled programs (another set after a precision switch)."""
+        return self.trainer.programs
 
     # -- plans ------------------------------------------------------------------------------
     def plan(self, batch: int) -> Shape:

@@ -184,6 +184,22 @@ class FP8Config:
     keep_first_layers: int = 0  # the first N decoder layers stay in other_dtype
     keep_last_layers: int = 0  # the last N decoder layers stay in other_dtype
     other_dtype: str = "bfloat16"  # everything not in fp8 (embedding, head, attention core)
+    layers: str = ""  # per-layer map, one code per matmul: 8 fp8, o other_dtype, f float32, e.g.
+                      # "8888888,8888oo8" (layer_map.py); "" = matmuls in every layer but keep_*
+    select: str = "policy"  # policy (the map above, fixed) | auto (chosen per layer and matmul
+                            # from measured error, revisited: docs/precision.md)
+    max_rel_error: float = 0.12  # auto: fp8 only where the output's and the weight gradient's
+                                 # relative error are both under this (e4m3/e5m2 give ~0.04/0.06)
+    max_underflow: float = 0.02  # auto: fp8 only where at most this share of the input's
+                                 # values falls below e4m3's normal range once scaled: what
+                                 # outliers do to the rest (docs/precision.md)
+    probe_every: int = 200  # auto: steps between probes (the first runs before step 1)
+    hysteresis: int = 2  # auto: probes in a row under the bounds before a matmul returns to fp8
+    spike_factor: float = 4.0  # auto: a layer whose gradient norm exceeds this x its median of
+                               # the last 16 steps leaves fp8 at once (0: never)
+    loss_spike: float = 1.5  # auto: a loss above this x its median of the last 16 steps takes the
+                             # layer whose gradient norm rose most out of fp8 at once (0: never)
+    test_outlier_layer: int = -1  # test hook: this layer's MLP input gets a 1e3 outlier channel
 
     @property
     def matmul_names(self) -> tuple[str, ...]:

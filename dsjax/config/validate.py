@@ -17,13 +17,11 @@ from dsjax.config.sections import (PIPELINE_SCHEDULES, PROJECTORS, VISION_TOWERS
                                    ModelConfig, chunks_per_stage, global_view_tokens,
                                    trainable_groups, view_side)
 from dsjax.config.stages import RECIPE_STAGES, stage_config
+from dsjax.config.validate_fp8 import validate_fp8
 from dsjax.errors import ConfigError, one_of
 from dsjax.runtime import xla_flags
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
-FP8_RECIPES = ("current", "delayed", "rowwise")
-FP8_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
-FP8_OTHER_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("stop", "skip")
 TRAIN_TASKS = ("pretrain", "sft", "dpo")  # docs/posttraining.md
 OPTIMIZERS = ("adamw", "onebit_adam")
@@ -310,19 +308,6 @@ def validate_vision(cfg: Config) -> None:
     if not v.enabled and cfg.train.trainable.strip() != "all" and set(groups) - {"lm"}:
         raise ConfigError(f"train.trainable: {cfg.train.trainable!r} names vision parameter "
                           f"groups, and vision.tower is 'none' (a text model has only 'lm')")
-
-
-def validate_fp8(cfg: Config) -> None:
-    f = cfg.fp8
-    one_of("fp8.recipe", f.recipe, FP8_RECIPES, "recipe")
-    _bounds("fp8", f, positive="history_len", non_negative="keep_first_layers keep_last_layers")
-    for name in f.matmul_names:
-        one_of("fp8.matmuls", name, FP8_MATMULS, "matmul")
-    if f.keep_first_layers + f.keep_last_layers > cfg.model.num_layers:
-        raise ConfigError(f"fp8.keep_first_layers: keep_first_layers + keep_last_layers = "
-                          f"{f.keep_first_layers + f.keep_last_layers} exceeds model.num_layers "
-                          f"{cfg.model.num_layers}")
-    one_of("fp8.other_dtype", f.other_dtype, FP8_OTHER_DTYPES, "dtype")
 
 
 def validate_optim(cfg: Config) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dsjax import fp8, remat
-from dsjax.config import Config
+from dsjax.config import Config, layer_map
 from dsjax.model.decoder import Transformer
 from dsjax.model.vision import VisionSpec
 
@@ -24,7 +24,8 @@ def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unrol
     policy = fp8_policy(cfg, for_eval)
     dtype = cfg.train.compute_dtype if policy is None else cfg.fp8.other_dtype
     model = Transformer(cfg.model, dtype=COMPUTE_DTYPES[dtype], layer_policies=layer_policies,
-                        scan_unroll=unroll, fp8_policy=policy, vision=vision_spec(cfg))
+                        scan_unroll=unroll, fp8_policy=policy, vision=vision_spec(cfg),
+                        planted_outlier=cfg.fp8.test_outlier_layer)
     model.attention_impl(cfg.data.seq_len)  # an impl this backend cannot run: ConfigError here
     return model
 
@@ -35,11 +36,14 @@ def fp8_policy(cfg: Config, for_eval: bool = False) -> fp8.Fp8Policy | None:
     if cfg.train.compute_dtype != "fp8":
         return None
     f, L = cfg.fp8, cfg.model.num_layers
+    words = layer_map.parse(f.layers, f.matmul_names, L) or layer_map.uniform(
+        f.matmul_names, tuple(f.keep_first_layers <= i < L - f.keep_last_layers
+                              for i in range(L)))
     return fp8.Fp8Policy(
         matmuls=f.matmul_names,
         recipe="current" if for_eval and f.recipe == "delayed" else f.recipe,
         history=f.history_len,
-        layers=tuple(f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L)),
+        layers=tuple(layer_map.choice(w, f.matmul_names) for w in words),
         margin=f.margin)
 
 

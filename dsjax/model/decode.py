@@ -38,7 +38,7 @@ def forward(model: Transformer, params: Any, tokens_BS: jax.Array, positions_BS:
     segment_ids_BS = jnp.ones_like(tokens_BS)
     new_cache = {}
     for name, _, _, moe in model._stacks():
-        block = model._block(use_fp8=False, moe=moe)
+        block = model._block(((), ()), moe=moe)  # decoding runs no fp8 (docs/posttraining.md)
 
         def layer(x_BSD, params_and_cache, block=block):
             layer_params, layer_cache = params_and_cache

@@ -14,14 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax import fp8, remat
+from dsjax import fp8, fp8_probe, remat
 from dsjax.config import ModelConfig
+from dsjax.config.layer_map import Choice
 from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
 from dsjax.model.context_layout import Layout, row_layout
 from dsjax.model.loss import AUX, head_nll
 from dsjax.model.layers import (ROUTED_EXPERTS, Attention, AttentionCore, RMSNorm, SwiGLU,
-                                _param, prepare_fp8_weights, rms_norm)
+                                _param, prepare_fp8_weights, probe_tokens, rms_norm)
 from dsjax.model.mla import MLA, mla_fields
 from dsjax.model.moe import MoE, moe_fields
 from dsjax.model.vision import SiglipTower, VisionSpec, make_projector, with_image_features
@@ -31,9 +32,12 @@ RESIDUAL = ("act_batch", "act_seq", "act_embed")
 # The logical axis of layer stacks that a pipeline does not split into stages: a MoE model's
 # leading dense blocks and the MTP modules (every stage holds them whole; dsjax.pipeline).
 EXTRA_LAYERS = "extra_layers"
-# The per-layer fp8 switch of a pipeline chunk's stack: where chunks differ (fp8.keep_*_layers),
-# each layer's choice is data, [layers] bools beside its params (`Transformer.fp8_switch`).
+# The per-layer precision switch of a pipeline chunk's stack: where chunks differ (fp8.layers,
+# keep_*_layers, fp8.select=auto), each layer's choice is data, [layers] int32 indices into the
+# variants beside its params (`Transformer.fp8_switch`).
 FP8_ON = "fp8_on"
+# The test hook fp8.test_outlier_layer: that layer's MLP input channel 0 is multiplied by this.
+PLANTED_OUTLIER = 1e3
 
 
 class DecoderBlock(nn.Module):
@@ -54,6 +58,7 @@ class DecoderBlock(nn.Module):
     attention_impl: str = "xla"  # concrete: attention.resolve_impl (model.attention_impl)
     attention_blocks: tuple[int, int] = (512, 512)  # flash (block_q, block_k)
     context: tuple[str, str] = ("all_gather", "zigzag")  # model.context_impl, context_layout
+    planted_outlier: bool = False  # test hook: MLP input channel 0 x PLANTED_OUTLIER
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, cache=None):
@@ -71,13 +76,16 @@ class DecoderBlock(nn.Module):
             attn_BSD, cache = attn_BSD
         h_BSD = nn.with_logical_constraint(x_BSD + attn_BSD, RESIDUAL)
         stats = None
+        mlp_in = RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD)
+        if self.planted_outlier:
+            mlp_in = mlp_in.at[..., 0].multiply(PLANTED_OUTLIER)
         if self.moe:
             mlp = MoE(**dict(self.moe), dtype=self.dtype, fp8_policy=self.fp8_policy,
                       name=ROUTED_EXPERTS)
-            mlp_BSD, stats = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
+            mlp_BSD, stats = mlp(mlp_in)
         else:
             mlp = SwiGLU(self.mlp_dim, self.init_std, self.dtype, self.fp8_policy, name="mlp")
-            mlp_BSD = mlp(RMSNorm(self.norm_eps, name="mlp_norm")(h_BSD))
+            mlp_BSD = mlp(mlp_in)
         out_BSD = nn.with_logical_constraint(h_BSD + mlp_BSD, RESIDUAL)
         return (out_BSD, stats) if cache is None else (out_BSD, stats, cache)
 
@@ -98,24 +106,28 @@ class Transformer(nn.Module):
     layer_policies: tuple[str, ...] = ()
     scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
     fp8_policy: fp8.Fp8Policy | None = None
-    # Per layer: fp8 or not is decided at run time, by the stack's FP8_ON flags (a pipeline
-    # chunk whose layer differs between stages); () = every choice is static.
-    fp8_switch: tuple[bool, ...] = ()
+    # Per layer: () = its precision choice is static; else the choices (variants) one of which
+    # the stack's FP8_ON index picks at run time (a pipeline chunk whose layer differs between
+    # stages).
+    fp8_switch: tuple[tuple[Choice, ...], ...] = ()
+    planted_outlier: int = -1  # test hook (fp8.test_outlier_layer): this layer's MLP input
+                               # gets an outlier channel; -1 = none
     # DeepSeek-VL image input (dsjax.model.vision): params "vision_tower" and "projector";
     # None = a text-only model.
     vision: VisionSpec | None = None
 
-    def _block(self, use_fp8: bool, moe: bool = False, attention_impl: str = "xla"
-               ) -> DecoderBlock:
-        cfg = self.cfg
+    def _block(self, choice: Choice, moe: bool = False, attention_impl: str = "xla",
+               planted: bool = False) -> DecoderBlock:
+        cfg, policy = self.cfg, self.fp8_policy
         return DecoderBlock(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                             cfg.rope_theta, cfg.norm_eps, cfg.init_std, self.dtype,
-                            self.fp8_policy if use_fp8 else None,
+                            None if policy is None else policy.for_choice(choice),
                             mla=mla_fields(cfg) if cfg.attention == "mla" else (),
                             moe=moe_fields(cfg) if moe else (),
                             attention_impl=attention_impl,
                             attention_blocks=(cfg.attention_block_q, cfg.attention_block_k),
                             context=(cfg.context_impl, cfg.context_layout),
+                            planted_outlier=planted,
                             parent=None)  # detached: `run_layers` works on an unbound module too
 
     @property
@@ -145,6 +157,10 @@ class Transformer(nn.Module):
         return ([("layers", 0, k, False)] if k else []) + (
             [("moe_layers", k, L, True)] if k < L else [])
 
+    def stack_ranges(self) -> dict[str, tuple[int, int]]:
+        """{param name: (first layer, end layer)} of each scanned stack (`_stacks`)."""
+        return {name: (lo, hi) for name, lo, hi, _ in self._stacks()}
+
     def _init_stack(self, rng: jax.Array, collection: str, moe: bool = False,
                     count: int | None = None, axis: str = "layers") -> Any:
         """Per-layer block variables of `collection` stacked on a new leading logical `axis`
@@ -154,18 +170,22 @@ class Transformer(nn.Module):
         pos, seg = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
         keys = jax.random.split(rng, cfg.num_layers if count is None else count)
         # every layer carries fp8 state: one layout; params do not depend on the attention impl
-        block = self._block(use_fp8=True, moe=moe)
+        block = self._block(self._every_matmul(), moe=moe)
         stacked = jax.vmap(lambda k: block.init(k, x, pos, seg)[collection])(keys)
         boxed = lambda b: isinstance(b, nn.LogicallyPartitioned)
         # fp8 meta leaves are not boxed: they stay replicated (small, and every device needs them).
         return jax.tree.map(lambda b: b.replace(names=(axis,) + tuple(b.names)) if boxed(b)
                             else b, stacked, is_leaf=boxed)
 
-    def _layer_fn(self, policy: str, use_fp8: bool, positions_BS, segment_ids_BS,
-                  moe: bool = False):
+    def _every_matmul(self) -> Choice:
+        """The choice that runs every matmul the policy may put in fp8 (no policy: none)."""
+        return ((), ()) if self.fp8_policy is None else (self.fp8_policy.matmuls, ())
+
+    def _layer_fn(self, policy: str, choice: Choice, positions_BS, segment_ids_BS,
+                  moe: bool = False, planted: bool = False):
         """(x, layer variables) -> (x, MoE stats or None)."""
         impl = self.attention_impl(positions_BS.shape[1])
-        block = self._block(use_fp8, moe, impl)
+        block = self._block(choice, moe, impl, planted)
 
         def apply(x_BSD, variables):
             if fp8.META_COLLECTION in variables:
@@ -181,34 +201,36 @@ class Transformer(nn.Module):
         # Inside a scan, CSE cannot merge the recomputation away, so the barrier is not needed.
         return jax.checkpoint(apply, policy=checkpoint_policy, prevent_cse=self.layers_unrolled)
 
-    def _switch_fn(self, policy: str, positions_BS, segment_ids_BS, moe: bool = False):
-        """A layer whose fp8 choice is its FP8_ON flag: both forms compiled, one run (a
-        `lax.cond`; its backward keeps the residuals of both)."""
-        on = self._layer_fn(policy, True, positions_BS, segment_ids_BS, moe)
-        off = self._layer_fn(policy, False, positions_BS, segment_ids_BS, moe)
+    def _switch_fn(self, policy: str, variants: tuple[Choice, ...], positions_BS,
+                   segment_ids_BS, moe: bool = False):
+        """A layer whose precision is its FP8_ON index into `variants`: every form compiled, one
+        run (a `lax.switch`; its backward keeps the residuals of all)."""
+        fns = [self._layer_fn(policy, v, positions_BS, segment_ids_BS, moe) for v in variants]
 
         def apply(x_BSD, variables):
             rest = {k: v for k, v in variables.items() if k != FP8_ON}
-            return jax.lax.cond(variables[FP8_ON], on, off, x_BSD, rest)
+            return jax.lax.switch(variables[FP8_ON], fns, x_BSD, rest)
         return apply
 
     def _segments(self, lo: int = 0, hi: int | None = None
-                  ) -> list[tuple[int, int, bool | None, tuple[str, ...]]]:
-        """(start, end, uses fp8 (None: per layer, by its FP8_ON flag), group pattern) of each
-        contiguous run of layers in [lo, hi)."""
+                  ) -> list[tuple[int, int, Any, tuple[str, ...]]]:
+        """(start, end, key, group pattern) of each contiguous run of layers in [lo, hi) that
+        make the same choices. key: (precision choice, planted outlier?), or None where the
+        choice is the layer's FP8_ON index (`fp8_switch`)."""
         L = self.cfg.num_layers
         hi = L if hi is None else hi
         policies = tuple(self.layer_policies) or ("none",) * L
-        fp8_on = (self.fp8_policy.layer_flags(L) if self.fp8_policy is not None
-                  else (False,) * L)
+        choices = (self.fp8_policy.layer_choices(L) if self.fp8_policy is not None
+                   else (((), ()),) * L)
+        keys = [(c, i == self.planted_outlier) for i, c in enumerate(choices)]
         if self.fp8_switch:
-            fp8_on = tuple(None if switch else on for on, switch in zip(fp8_on, self.fp8_switch))
-        if len(policies) != L or len(fp8_on) != L:
+            keys = [None if switch else k for k, switch in zip(keys, self.fp8_switch)]
+        if len(policies) != L or len(keys) != L:
             raise ValueError(f"per-layer choices must have num_layers={L} entries")
         segments, start = [], lo
         for i in range(lo + 1, hi + 1):
-            if i == hi or fp8_on[i] != fp8_on[start]:
-                segments.append((start, i, fp8_on[start],
+            if i == hi or keys[i] != keys[start]:
+                segments.append((start, i, keys[start],
                                  remat.group_pattern(policies[start:i])))
                 start = i
         return segments
@@ -248,6 +270,10 @@ class Transformer(nn.Module):
                     fp8.META_COLLECTION, name,
                     lambda moe=moe, n=hi - lo: self._init_stack(jax.random.key(0),
                                                                 fp8.META_COLLECTION, moe, n)).value
+            if self.fp8_policy is not None and self.fp8_policy.probe:
+                stack[fp8_probe.COLLECTION] = self.variable(
+                    fp8_probe.COLLECTION, name, probe_tokens, nn.unbox(stack["params"]),
+                    self.fp8_policy.matmuls).value
             x_BSD, stats = self.run_layers(x_BSD, stack, positions_BS, segment_ids_BS, lo, hi,
                                            moe)
             moe_stats += stats
@@ -319,7 +345,7 @@ class Transformer(nn.Module):
         its weight sum [n], MoE stats of the modules' blocks). Needs no bound module: a pipeline
         runs it on its last stage's outputs (dsjax.pipeline)."""
         cfg, n = self.cfg, self.cfg.num_mtp_layers
-        block = self._layer_fn("none", False, positions_BS, segment_ids_BS, cfg.is_moe)
+        block = self._layer_fn("none", ((), ()), positions_BS, segment_ids_BS, cfg.is_moe)
         sums, stats = [], []
         layout = self.seq_layout(tokens_BS.shape[1])
         valid_NBS = mtp_weights(weights_BS, n, layout)
@@ -350,18 +376,25 @@ class Transformer(nn.Module):
         module: a pipeline stage runs its slice of the stack through it (dsjax.pipeline)."""
         hi = self.cfg.num_layers if hi is None else hi
         moe_stats = []
-        for start, end, use_fp8, pattern in self._segments(lo, hi):
-            fns = [self._layer_fn(p, use_fp8, positions_BS, segment_ids_BS, moe)
-                   if use_fp8 is not None else
-                   self._switch_fn(p, positions_BS, segment_ids_BS, moe) for p in pattern]
+        for start, end, key, pattern in self._segments(lo, hi):
+            if key is None:  # run-time choice: prepare the weights any variant runs in fp8
+                variants = self.fp8_switch[start]
+                fns = [self._switch_fn(p, variants, positions_BS, segment_ids_BS, moe)
+                       for p in pattern]
+                in_fp8 = tuple(sorted({m for v in variants for m in v[0]}))
+            else:
+                fns = [self._layer_fn(p, key[0], positions_BS, segment_ids_BS, moe, key[1])
+                       for p in pattern]
+                in_fp8 = key[0][0]
             G = len(pattern)
             segment = jax.tree.map(lambda a: a[start - lo:end - lo], stack)
-            if use_fp8 is not None:
+            if key is not None:
                 segment.pop(FP8_ON, None)  # a static choice needs no flags
             policy = self.fp8_policy
-            if use_fp8 is not False and policy is not None and policy.recipe in ("current",
-                                                                                 "delayed"):
-                segment[fp8.WEIGHTS_COLLECTION] = prepare_fp8_weights(segment, policy)
+            if (in_fp8 and policy is not None and not policy.probe
+                    and policy.recipe in ("current", "delayed")):
+                segment[fp8.WEIGHTS_COLLECTION] = prepare_fp8_weights(
+                    segment, policy.for_choice((in_fp8, ())))
             grouped = jax.tree.map(
                 lambda a: a.reshape((end - start) // G, G, *a.shape[1:]), segment)
 

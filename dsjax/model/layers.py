@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from dsjax import fp8
+from dsjax import fp8, fp8_probe
 from dsjax.model import kv_cache
 from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (re-export)
 from dsjax.model.attention import masked_attention
@@ -62,6 +62,22 @@ def prepare_fp8_weights(stack: dict, policy: fp8.Fp8Policy) -> dict:
     return walk(stack["params"], meta, "")
 
 
+def probe_tokens(params: dict, matmuls: tuple[str, ...]) -> dict:
+    """The `fp8_probe.COLLECTION` of a stack of layers: zeros [layers, len(STATS)] per
+    projection weight in `matmuls` (routed experts left out), mirroring `params`."""
+    def walk(params: dict, parent: str) -> dict:
+        out = {}
+        for key, value in params.items():
+            if isinstance(value, dict):
+                if sub := walk(value, key):
+                    out[key] = sub
+            elif (parent != ROUTED_EXPERTS and policy_name(key) in matmuls
+                  and jnp.ndim(value) >= 3):
+                out[key] = jnp.zeros((jnp.shape(value)[0], len(fp8_probe.STATS)), jnp.float32)
+        return out
+    return walk(params, "")
+
+
 def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """One projection matmul: fp8 GEMMs if the precision policy names it (`policy_name(name)`),
     else the compute dtype. In fp8 it uses the weight `prepare_fp8_weights` quantised ahead
@@ -80,12 +96,19 @@ def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array) 
     flat = f"{TOKENS}{x_dims[2:]},{w_dims}->{TOKENS}{out_dims[2:]}"
     x_n = x.reshape(-1, *x.shape[2:])
     policy = module.fp8_policy
-    if policy is not None and policy.runs(policy_name(name)):
+    if policy is not None and policy.probe and module.has_variable(fp8_probe.COLLECTION, name):
+        y_n = fp8_probe.probe_einsum(flat, policy.recipe, jnp.dtype(policy.probe), x_n, w,
+                                     module.get_variable(fp8_probe.COLLECTION, name))
+        y_n = y_n.astype(module.dtype)
+    elif policy is not None and policy.runs(policy_name(name)):
         meta = fp8.meta_variable(module, name, policy.history) if policy.delayed else None
         prepared = (module.get_variable(fp8.WEIGHTS_COLLECTION, name)
                     if module.has_variable(fp8.WEIGHTS_COLLECTION, name) else None)
         y_n = fp8.fp8_einsum(flat, x_n, w, recipe=policy.recipe, out_dtype=module.dtype,
                              meta=meta, prepared=prepared)
+    elif policy is not None and policy.widens(policy_name(name)):  # not TF32 on GPU
+        y_n = jnp.einsum(flat, x_n.astype(jnp.float32), w,
+                         precision=jax.lax.Precision.HIGHEST).astype(module.dtype)
     else:
         y_n = jnp.einsum(flat, x_n.astype(module.dtype), w.astype(module.dtype))
     return y_n.reshape(*x.shape[:2], *y_n.shape[1:])

@@ -18,6 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8, sharding
+from dsjax.config.layer_map import Choice
 from dsjax.config.sections import HAND_BACKWARD_SCHEDULES, chunks_per_stage
 from dsjax.model.decoder import FP8_ON, Transformer, embed_tokens
 from dsjax.model.layers import RMSNorm
@@ -79,20 +80,26 @@ class StagedModel:
         cfg = self.model.cfg
         return cfg.first_k_dense_replace if cfg.is_moe else 0
 
-    def fp8_flags(self) -> tuple[bool, ...]:
-        """Per layer of the pipelined stack: does it run its projections in fp8?"""
+    def fp8_choices(self) -> tuple[Choice, ...]:
+        """Per layer of the pipelined stack: its precision choice (fp8 and float32 projections)."""
         m, k = self.model, self.prefix
         if m.fp8_policy is None:
-            return (False,) * (m.cfg.num_layers - k)
-        return m.fp8_policy.layer_flags(m.cfg.num_layers)[k:]
+            return (((), ()),) * (m.cfg.num_layers - k)
+        return m.fp8_policy.layer_choices(m.cfg.num_layers)[k:]
 
-    def fp8_switch(self) -> tuple[bool, ...]:
-        """Per position in a chunk: do the chunks differ there in fp8 (fp8.keep_first_layers /
-        keep_last_layers)? There the choice is made at run time from the stack's flags
-        (`Transformer.fp8_switch`); () if no chunk differs."""
-        flags, n = self.fp8_flags(), (self.model.cfg.num_layers - self.prefix) // self.chunks
-        switch = tuple(len({flags[c * n + i] for c in range(self.chunks)}) > 1 for i in range(n))
-        return switch if any(switch) else ()
+    def fp8_variants(self) -> tuple[Choice, ...]:
+        """The distinct choices of the pipelined stack, in a fixed order: what a layer's FP8_ON
+        index counts in."""
+        return tuple(sorted(set(self.fp8_choices())))
+
+    def fp8_switch(self) -> tuple[tuple[Choice, ...], ...]:
+        """Per position in a chunk: the variants where the chunks' choices differ there (the
+        choice is then made at run time from the stack's FP8_ON indices,
+        `Transformer.fp8_switch`), () where they agree; () if no chunk differs."""
+        choices, n = self.fp8_choices(), (self.model.cfg.num_layers - self.prefix) // self.chunks
+        differs = [len({choices[c * n + i] for c in range(self.chunks)}) > 1 for i in range(n)]
+        variants = self.fp8_variants()
+        return tuple(variants if d else () for d in differs) if any(differs) else ()
 
     def chunk_model(self) -> Transformer:
         """The decoder restricted to one chunk of the pipelined layers (every chunk makes the
@@ -144,15 +151,16 @@ PREFIX_META = "prefix_fp8_meta"
 
 
 def split_params(pipe: StagedModel, params: Any, meta: Any) -> tuple[Any, Any]:
-    """(layer variables {"params", maybe "fp8_meta", maybe FP8_ON: the per-layer fp8 flags
-    where chunks differ} of the pipelined stack, leading "layers" axis; the replicated top-level
+    """(layer variables {"params", maybe "fp8_meta", maybe FP8_ON: the per-layer precision
+    indices where chunks differ} of the pipelined stack, leading "layers" axis; the replicated top-level
     params, with the dense prefix's fp8 state under PREFIX_META if it has one)."""
     name = pipe.stack
     stack = {"params": params[name]}
     if meta:
         stack[fp8.META_COLLECTION] = meta[name]
     if pipe.fp8_switch():
-        stack[FP8_ON] = jnp.asarray(pipe.fp8_flags())
+        variants = pipe.fp8_variants()
+        stack[FP8_ON] = jnp.asarray([variants.index(c) for c in pipe.fp8_choices()], jnp.int32)
     top = {k: v for k, v in params.items() if k != name}
     if pipe.prefix and meta and "layers" in meta:
         top[PREFIX_META] = meta["layers"]

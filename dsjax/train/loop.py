@@ -26,12 +26,17 @@ from dsjax.data import SampleStream, mixed_stream
 from dsjax.data.splits import Splits, data_splits, media_reading
 from dsjax.errors import TrainingError
 from dsjax.pipeline import bubble_fraction
+from dsjax.precision import Selector
+from dsjax.precision.report import write_report
 from dsjax.runtime import xla_flags
 from dsjax.runtime.preemption import StopConditions
 from dsjax.train import resume as resume_lib
 from dsjax.train.observer import Observer
 from dsjax.train.step import nonfinite_groups
 from dsjax.train.trainer import build_trainer, check_fits
+
+
+PRECISION = "precision"  # the checkpoint data item's entry of fp8.select=auto's state
 
 
 def check_workdir(workdir: str) -> None:
@@ -62,9 +67,11 @@ def _train_stream(cfg: Config, splits: Splits, vision: Any, prefetch_rows: int) 
 
 
 def _save(checkpointer: ckpt.Checkpointer, step: int, state: Any, batcher: Batcher,
-          trainer: Any) -> None:
-    resume_lib.save(checkpointer, step, state, batcher.get_state(), trainer.mesh,
-                    trainer.cfg.model)
+          trainer: Any, selector: Selector | None) -> None:
+    data_state = batcher.get_state()
+    if selector is not None:  # fp8.select=auto: the map, its hysteresis and spike windows
+        data_state[PRECISION] = selector.get_state()
+    resume_lib.save(checkpointer, step, state, data_state, trainer.mesh, trainer.cfg.model)
 
 
 class StepReader:
@@ -73,8 +80,9 @@ class StepReader:
     `train.log_every` steps its metrics.jsonl record (built by the `Observer`)."""
 
     def __init__(self, cfg: Config, start: int, batcher: Batcher, observer: Observer,
-                 writer: Any, checkpoint_dir: str):
+                 writer: Any, checkpoint_dir: str, selector: Selector | None = None):
         self.cfg, self.start = cfg, start
+        self.selector = selector
         self.batcher, self.observer, self.writer = batcher, observer, writer
         self.checkpoint_dir = checkpoint_dir
         self.saved = start  # the step of the newest checkpoint
@@ -104,6 +112,8 @@ class StepReader:
         if timed:
             self.times.append(dt)
         self.batcher.observe(m, 1000 * dt if timed else None)  # adaptive batch size: the reading
+        if self.selector is not None:
+            self.selector.observe(step_idx, m)  # a layer's gradient-norm spike
         self.samples += m["batch_size"]
         self.tokens += m["batch_size"] * self.cfg.data.seq_len
         done, steps = step_idx + 1, self.cfg.train.steps
@@ -112,6 +122,8 @@ class StepReader:
             record = self.observer.record(m, done, typical,
                                           self.batcher.record_fields(m, step_idx),
                                           self.samples, self.tokens)
+            if self.selector is not None:
+                record.update(self.selector.record_fields())
             self.writer.write(record, eta_s=typical * (steps - done))
 
     def _check_finite(self, step_idx: int, m: dict[str, Any]) -> None:
@@ -159,16 +171,27 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     stream = _train_stream(cfg, splits, trainer.model.vision,
                            max(cfg.data.prefetch, 1) * largest // jax.process_count())
     batcher = Batcher(trainer, stream, log=mx.log)
+    selector = Selector(trainer, mx.log) if cfg.fp8.select == "auto" else None
 
     checkpointer = ckpt.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
                                      cfg.checkpoint.async_save, log=mx.log,
                                      train_layout=resume_lib.train_layout(cfg))
     # Before anything is allocated: the first step's program (compiled once, used by the run)
     # must fit in device memory.
+    # (fp8.select=auto: after the first probe chose the map, see below.)
     first = checkpointer.usable_step(allow_fallback) or 0
-    check_fits(trainer, batcher.plan(batcher.controller.size), trainer.phase_at(first))
+    if selector is None:
+        check_fits(trainer, batcher.plan(batcher.controller.size), trainer.phase_at(first))
     state, start, data_state = resume_lib.resume(checkpointer, trainer.init(), trainer.mesh,
                                                  cfg.model, allow_fallback, mx.log)
+    if data_state is not None and PRECISION in data_state:
+        if selector is not None:
+            selector.set_state(data_state[PRECISION])
+            state = selector.apply(trainer, state)
+        else:
+            mx.log(f"warning: checkpoint step {start}: its automatic precision map is not "
+                   f"used (fp8.select='policy'): the run follows fp8.matmuls / fp8.layers")
+        data_state = {k: v for k, v in data_state.items() if k != PRECISION}
     if data_state is not None and "batch" in data_state:
         # The controller keeps a saved state only under the policy that wrote it; else it says
         # why it starts fresh. The batcher then takes the cursor and the controller's state.
@@ -198,7 +221,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     mx.log(f"MFU is relative to {observer.peak_total:.3g} FLOP/s ({observer.peak_source}); "
            f"{observer.flops_per_token:.3g} model FLOPs/token")
 
-    reader = StepReader(cfg, start, batcher, observer, writer, checkpointer.directory)
+    reader = StepReader(cfg, start, batcher, observer, writer, checkpointer.directory, selector)
     pending = None  # (step index, device metrics) of the step dispatched last
     stopped = None  # why the run ended before train.steps
     done = start
@@ -210,6 +233,13 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
                     break
                 host_batch, shape = batcher.next_batch()
                 batch = trainer.device_batch(host_batch)
+                if selector is not None:
+                    spent = sum(selector.seconds.values())
+                    state = selector.before_step(step_idx, trainer, state, batch)
+                    if sum(selector.seconds.values()) > spent:
+                        observer.untimed.add(step_idx)  # a probe or a compile, not the step
+                    if step_idx == start:
+                        check_fits(trainer, shape, trainer.phase_at(step_idx))
                 if (step_idx + 1) % cfg.train.log_every == 0 or step_idx + 1 == cfg.train.steps:
                     observer.measure_memory(state, batch)  # read by this step's record
                 if observer.profile_due(step_idx):
@@ -229,7 +259,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
                         and done < cfg.train.steps):
                     reader.read(*pending)  # never checkpoint a step whose loss we have not seen
                     pending = None
-                    _save(checkpointer, done, state, batcher, trainer)
+                    _save(checkpointer, done, state, batcher, trainer, selector)
                     reader.saved = done
                 if (cfg.train.eval_every and done % cfg.train.eval_every == 0
                         and done < cfg.train.steps):
@@ -239,7 +269,7 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
             if pending is not None:
                 reader.read(*pending)
             if done > reader.saved:  # the end of training, or the step an early stop finished
-                _save(checkpointer, done, state, batcher, trainer)
+                _save(checkpointer, done, state, batcher, trainer, selector)
                 reader.saved = done
     finally:
         trainer.programs.close()
@@ -270,6 +300,12 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
         **observer.summary(),
         **batcher.summary(),
     }
+    if selector is not None:
+        summary.update(selector.summary())
+        if jax.process_index() == 0:
+            write_report(workdir, selector)
+        for line in selector.describe():
+            mx.log(f"precision: {line}")
     mx.update_summary(workdir, summary)
     results = evaluate.evaluate_and_report(trainer, state.params, splits, cfg, workdir)
     writer_eval = {k: v for k, v in results.items() if isinstance(v, float)}

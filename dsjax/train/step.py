@@ -53,6 +53,17 @@ def finite_by_group(grads: Any) -> dict[str, jax.Array]:
             for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
 
 
+def layer_grad_norms(grads: Any) -> jax.Array | None:
+    """[L]: each decoder layer's gradient norm (the scanned stacks, in layer order); None for a
+    params tree without them. `fp8.select=auto` demotes a layer whose norm spikes."""
+    stacks = [grads[k] for k in ("layers", "moe_layers") if isinstance(grads, dict) and k in grads]
+    if not stacks:
+        return None
+    squares = [sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+                   for g in jax.tree.leaves(stack)) for stack in stacks]
+    return jnp.sqrt(jnp.concatenate(squares))
+
+
 def nonfinite_groups(metrics: dict[str, Any]) -> str:
     """The host's one-line account of which parameter groups had non-finite gradients."""
     bad = [k for k, ok in sorted(metrics.get("grad_finite", {}).items()) if not bool(ok)]
@@ -84,6 +95,9 @@ def finish_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float,
                "skipped_steps": new_state.loss_scale.skipped_steps,
                "grad_finite": finite_by_group(grads), **moe.load_metrics(aux),
                **{k: aux[k] for k in DPO_METRICS if k in aux}}
+    norms = layer_grad_norms(grads)
+    if norms is not None:
+        metrics["layer_grad_norm"] = norms
     if "image_mask" in batch:  # images and video frames in a vision-language batch
         metrics["images"] = jnp.sum(batch["image_mask"])
     return new_state, metrics

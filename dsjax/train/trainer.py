@@ -112,6 +112,26 @@ class Trainer:
             self._step_bounds = (state.step, lo, hi + 1)
         return state, metrics
 
+    def switch_precision(self, layers: str, state: TrainState) -> TrainState:
+        """Runs the per-layer precision map `layers` (`fp8.layers`) from the next step: another
+        model and step program over the same state layout. Each map's parts and compiled
+        programs are kept, so returning to a map compiles nothing. Returns `state` as the
+        switched step takes it (its static fields, the objective among them, are the map's)."""
+        variants = self.__dict__.setdefault("_variants", {})
+        if self.cfg.fp8.layers not in variants:  # a copy: its programs bind the copy's state
+            variants[self.cfg.fp8.layers] = dataclasses.replace(self)
+        if layers not in variants:
+            variants[layers] = build_trainer(dataclasses.replace(
+                self.cfg, fp8=dataclasses.replace(self.cfg.fp8, layers=layers)), self.mesh)
+        other = variants[layers]
+        for f in ("cfg", "model", "eval_model", "state_shardings", "init_fn", "tx",
+                  "phase_fns"):
+            setattr(self, f, getattr(other, f))
+        self.__dict__["programs"] = other.programs
+        self.__dict__["_abstract_state"] = other.abstract_state()
+        return jax.tree.unflatten(jax.tree.structure(self.abstract_state()),
+                                  jax.tree.leaves(state))
+
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Process-local numpy batch ([B, S], or [k, B/k, S] for accumulation) -> global arrays
         sharded over `data`, rows in the context layout (split over `context`)."""
