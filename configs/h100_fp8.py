@@ -1,7 +1,8 @@
 """Optimized group: DeepSeek-7B with the recipe's features switched on as they land.
 
-Landed: fp8 GEMMs for every attention/MLP projection (current per-tensor scaling; embedding, output
-head, norms and the attention core stay in bf16/fp32), selective recomputation `attention_core`
+Landed: fp8 GEMMs for the attention/MLP projections where a probe measures them safe (fp8.select
+auto, current per-tensor scaling; embedding, output head, norms and the attention core stay in
+bf16/fp32), selective recomputation `attention_core`
 (benchmarks/results/remat_deepseek_7b.txt: 71% of `none`'s temporaries, FLOPs unchanged at 1.000),
 1-bit Adam with error compensation after 20% of the steps (benchmarks/results/comm_bytes_*.json:
 the compressed step sends ~1/32 of the warmup step's data-parallel bytes; every 10th step is
@@ -36,6 +37,13 @@ def get_config(arg=None):
     # fp8 projections with the default fp8 section: per-tensor current scaling (stateless), the
     # embedding, head and attention core in fp8.other_dtype (bfloat16).
     c.train.compute_dtype = "fp8"
+    # Which projections of which layers run in fp8 is chosen from measured error (a float32
+    # probe on training rows before step 1 and every fp8.probe_every steps, hysteresis, spike
+    # demotion: docs/precision.md). The probe runs the unpipelined float32 model: 2 rows of
+    # 4,096 tokens (one per data replica) keep it small beside the training state (not yet run
+    # on a GPU).
+    c.fp8.select = "auto"
+    c.fp8.probe_rows = 2
     c.remat.policy = "attention_core"   # Megatron-style selective recompute, every layer (see
                                         # docstring)
     # Dynamic batch size (docs/batching.md): start at 512 rows (2M tokens), grow x1.5 up the
@@ -56,6 +64,7 @@ def get_config(arg=None):
     if arg == "smoke":
         c.pipeline.microbatches = 2     # pipelined smoke: mesh (2, 2, 2), 8 rows
         c.fp8.other_dtype = "float32"   # CPUs have no fast bf16; fp8 GEMMs are emulated exactly
+        c.fp8.probe_every = 4           # re-probe at steps 4, 8, ... (across the batch change)
         c.data.global_batch = 8         # 2 rows per data-parallel replica
         # A two-rung ladder and micro-batch 2 (the 2 pipeline microbatches of one row), so
         # accumulation (2, then 4 micro-steps) composes

@@ -68,8 +68,8 @@ def measure(eq: str, x: jax.Array, w: jax.Array, dy: jax.Array, recipe: str, oth
     y32, vjp32 = jax.vjp(lambda x, w: _einsum(eq, x, w, jnp.float32), x, w)
     dw32 = vjp32(dy)[1]
     # "delayed" scales from a history of such amaxes; the probe has one step: current scaling.
-    y8, _, dw8 = fp8.emulate_einsum(eq, x, w, dy, recipe="current" if recipe == "delayed"
-                                    else recipe, out_dtype=jnp.float32)
+    recipe = "current" if recipe == "delayed" else recipe
+    y8, _, dw8 = fp8.emulate_einsum(eq, x, w, dy, recipe=recipe, out_dtype=jnp.float32)
     yo, vjpo = jax.vjp(lambda x, w: _einsum(eq, x, w, other), x, w)
     dwo = vjpo(dy.astype(other).astype(jnp.float32))[1]
     rms_x = _rms(x)

@@ -135,6 +135,18 @@ def test_invalid_mesh_combinations_name_the_field(overrides, field):
     ({"fp8.recipe": "tensorwise"}, "fp8.recipe"),
     ({"fp8.matmuls": "q,k,router"}, "fp8.matmuls"),
     ({"fp8.keep_first_layers": 2, "fp8.keep_last_layers": 1}, "fp8.keep_first_layers"),
+    ({"fp8.layers": "8888888"}, "fp8.layers"),  # one word for 2 layers
+    ({"fp8.layers": "8888888,88888b8"}, "fp8.layers"),  # b: not a code
+    ({"fp8.layers": "8888888,888888"}, "fp8.layers"),  # 6 codes for 7 matmuls
+    ({"fp8.layers": "8888888,8888888", "fp8.keep_first_layers": 1}, "fp8.layers"),
+    ({"fp8.select": "always"}, "fp8.select"),
+    ({"fp8.select": "auto"}, "fp8.select"),  # compute_dtype float32: nothing to choose
+    ({"train.compute_dtype": "fp8", "fp8.select": "auto", "fp8.layers": "8888888,8888888"},
+     "fp8.layers"),  # auto writes the map itself
+    ({"fp8.max_rel_error": 0.0}, "fp8.max_rel_error"),
+    ({"fp8.hysteresis": 0}, "fp8.hysteresis"),
+    ({"fp8.test_outlier_layer": 2}, "fp8.test_outlier_layer"),  # 2 layers
+    ({"fp8.test_outlier_layer": 0}, "fp8.test_outlier_layer"),  # cpu_tiny's pipeline
     ({"train.nonfinite": "ignore"}, "train.nonfinite"),
     ({"train.compute_dtype": "int4"}, "train.compute_dtype"),
     ({"optim.name": "sgd"}, "optim.name"),

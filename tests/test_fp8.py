@@ -486,12 +486,18 @@ def _expected_dots(cfg):
     assert cfg.remat.policy == "none", cfg.remat.policy  # recomputation would repeat forwards
     assert cfg.model.loss_chunk > 0 and cfg.data.seq_len < 1024  # chunked head; auto: xla
     L, f = cfg.model.num_layers, cfg.fp8
-    in_fp8 = [f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L)]
     n = len([m for m in f.matmuls.split(",") if m.strip()])
+    if f.layers:  # a map: one word per layer, "8" per fp8 projection
+        per_layer = [word.count("8") for word in f.layers.split(",")]
+    else:
+        per_layer = [n if f.keep_first_layers <= i < L - f.keep_last_layers else 0
+                     for i in range(L)]
+    # Contiguous layers that make the same choice share a body (a map's words, else the count).
+    keys = f.layers.split(",") if f.layers else per_layer
     fp8_dots, high = 0, 4
-    for use_fp8, _ in itertools.groupby(in_fp8):
-        fp8_dots += 3 * n if use_fp8 else 0
-        high += 6 + 3 * (7 - (n if use_fp8 else 0))
+    for (_, count), _ in itertools.groupby(zip(keys, per_layer)):
+        fp8_dots += 3 * count
+        high += 6 + 3 * (7 - count)
     return fp8_dots, high
 
 
@@ -499,7 +505,9 @@ def _expected_dots(cfg):
     ({}, (21, 10)),  # one scanned body of 4 fp8 layers
     ({"fp8.matmuls": "gate,up,down", "fp8.keep_first_layers": 1}, (9, 49)),  # 1 float32 + 3
     ({"fp8.keep_last_layers": 2, "fp8.recipe": "delayed"}, (21, 37)),  # 2 fp8 + 2 float32
-], ids=["all-projections", "mlp-only-first-kept", "last-two-kept-delayed"])
+    # A per-projection map (fp8.layers): 4 distinct layers, 5 + 5 + 0 + 7 fp8 projections.
+    ({"fp8.layers": "8888oo8,88o88f8,ooooooo,8888888"}, (51, 61)),
+], ids=["all-projections", "mlp-only-first-kept", "last-two-kept-delayed", "layer-map"])
 def test_train_step_has_fp8_operands_exactly_where_the_policy_says(overrides, counts):
     import sys
     import os

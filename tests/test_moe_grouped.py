@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax import config as config_lib
 from dsjax.errors import ConfigError
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model import moe_exchange, moe_grouped
 from dsjax.model.moe import MoE, capacity
 
@@ -252,11 +253,10 @@ def test_fp8_experts_scale_per_expert_like_the_capacity_buffers():
     amax of each expert's rows) against the capacity buffers' per-expert `fp8_einsum` (from the
     amax of each expert's slots, the same values and zeros). Output and gradients agree to
     float32 summation order, far closer than either is to float32 experts."""
-    from dsjax import fp8  # pylint: disable=import-outside-toplevel
     B, S = 2, 32
     x = jnp.asarray(np.random.default_rng(2).normal(size=(B, S, D)), jnp.float32)
     cot = jnp.asarray(np.random.default_rng(3).normal(size=(B, S, D)), jnp.float32)
-    policy = fp8.Fp8Policy(matmuls=("gate", "up", "down"))
+    policy = Fp8Policy(matmuls=("gate", "up", "down"))
     params = nn.unbox(_moe("padded").init(jax.random.key(1), x)["params"])
 
     def run(impl, fp8_policy):

@@ -255,10 +255,16 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
     # projection (fp8.matmuls) is an e4m3 x e4m3 dot forward and two e5m2 x e4m3 dots backward
     # (dgrad, wgrad) in the one stage body each pipeline stage runs; the 1f1b schedule
     # recomputes the forward, so that count is a lower bound.
+    # fp8.select=auto chose the map: probes before steps 1, 5 (and the layer map the run ended
+    # with is the program rebuilt here).
+    assert cfg["fp8"]["select"] == "auto" and summary["precision_probes"] == 2
+    words = summary["precision_layers"].split(",")
+    assert summary["fp8_flops_fraction"] >= 0.6 and len(words) == 2
     raw = {k: v for k, v in cfg.items() if k != "xla_flags"}
+    raw["fp8"] = {**raw["fp8"], "select": "policy", "layers": summary["precision_layers"]}
     trainer = build_trainer(config_lib.from_config_dict(raw))
-    projections = len(trainer.cfg.fp8.matmuls.split(","))
-    assert projections == 7
+    projections = min(w.count("8") for w in words)  # the stage bodies differ where words do
+    assert projections >= 4, words
     for phase, accum in sorted(used):
         shape = batching.Shape(4 * accum, accum, 2)  # 4 rows per micro-step
         with sharding.activate(trainer.mesh, trainer.rules):
@@ -270,7 +276,7 @@ def test_h100_fp8_smoke_trains_with_everything_on(smoke_run):
         backward = dots.count(("f8E5M2", "f8E4M3FN", "f32"))
         print(f"phase {phase}, accumulation {accum}: {forward} fp8 forward dots, {backward} "
               f"backward, {len(dots) - forward - backward} others")
-        assert forward >= projections and backward == 2 * projections, (phase, accum, dots)
+        assert forward >= projections and backward >= 2 * projections, (phase, accum, dots)
         assert all(not d[0].startswith("f8") and not d[1].startswith("f8")
                    for d in dots if d not in (("f8E4M3FN", "f8E4M3FN", "f32"),
                                               ("f8E5M2", "f8E4M3FN", "f32"))), dots

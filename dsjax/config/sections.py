@@ -194,6 +194,7 @@ class FP8Config:
                                  # values falls below e4m3's normal range once scaled: what
                                  # outliers do to the rest (docs/precision.md)
     probe_every: int = 200  # auto: steps between probes (the first runs before step 1)
+    probe_rows: int = 8  # auto: rows of the step's first micro-batch the probe measures (0: all)
     hysteresis: int = 2  # auto: probes in a row under the bounds before a matmul returns to fp8
     spike_factor: float = 4.0  # auto: a layer whose gradient norm exceeds this x its median of
                                # the last 16 steps leaves fp8 at once (0: never)

@@ -20,7 +20,7 @@ def validate_fp8(cfg: Config) -> None:
     for key in ("history_len", "max_rel_error", "hysteresis"):
         if getattr(f, key) <= 0:
             raise ConfigError(f"fp8.{key}: must be > 0, got {getattr(f, key)}")
-    for key in ("keep_first_layers", "keep_last_layers", "probe_every", "spike_factor",
+    for key in ("keep_first_layers", "keep_last_layers", "probe_every", "probe_rows", "spike_factor",
                 "loss_spike", "max_underflow"):
         if getattr(f, key) < 0:
             raise ConfigError(f"fp8.{key}: must be >= 0, got {getattr(f, key)}")

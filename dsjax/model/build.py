@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from dsjax import fp8, remat
+from dsjax import remat
 from dsjax.config import Config, layer_map
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model.decoder import Transformer
 from dsjax.model.vision import VisionSpec
 
@@ -30,7 +31,7 @@ def make_model(cfg: Config, layer_policies: tuple[str, ...] | None = None, unrol
     return model
 
 
-def fp8_policy(cfg: Config, for_eval: bool = False) -> fp8.Fp8Policy | None:
+def fp8_policy(cfg: Config, for_eval: bool = False) -> Fp8Policy | None:
     """The precision policy `cfg.fp8` describes for the decoder's layers; None unless
     `train.compute_dtype` is "fp8". `for_eval`: as in `make_model`."""
     if cfg.train.compute_dtype != "fp8":
@@ -39,7 +40,7 @@ def fp8_policy(cfg: Config, for_eval: bool = False) -> fp8.Fp8Policy | None:
     words = layer_map.parse(f.layers, f.matmul_names, L) or layer_map.uniform(
         f.matmul_names, tuple(f.keep_first_layers <= i < L - f.keep_last_layers
                               for i in range(L)))
-    return fp8.Fp8Policy(
+    return Fp8Policy(
         matmuls=f.matmul_names,
         recipe="current" if for_eval and f.recipe == "delayed" else f.recipe,
         history=f.history_len,

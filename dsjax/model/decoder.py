@@ -17,6 +17,7 @@ import numpy as np
 from dsjax import fp8, fp8_probe, remat
 from dsjax.config import ModelConfig
 from dsjax.config.layer_map import Choice
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model.attention import current_backend, resolve_impl
 from dsjax.model.chunked_loss import output_logits
 from dsjax.model.context_layout import Layout, row_layout
@@ -52,7 +53,7 @@ class DecoderBlock(nn.Module):
     norm_eps: float
     init_std: float
     dtype: Any = jnp.float32
-    fp8_policy: fp8.Fp8Policy | None = None  # projections run as fp8 GEMMs; None: none do
+    fp8_policy: Fp8Policy | None = None  # projections run as fp8 GEMMs; None: none do
     mla: tuple[tuple[str, Any], ...] = ()  # MLA fields (mla.mla_fields); () = `Attention`
     moe: tuple[tuple[str, Any], ...] = ()  # MoE fields (moe.moe_fields); () = dense `SwiGLU`
     attention_impl: str = "xla"  # concrete: attention.resolve_impl (model.attention_impl)
@@ -105,7 +106,7 @@ class Transformer(nn.Module):
     dtype: Any = jnp.float32
     layer_policies: tuple[str, ...] = ()
     scan_unroll: bool = False  # straight-line code, for exact `cost_analysis` FLOPs
-    fp8_policy: fp8.Fp8Policy | None = None
+    fp8_policy: Fp8Policy | None = None
     # Per layer: () = its precision choice is static; else the choices (variants) one of which
     # the stack's FP8_ON index picks at run time (a pipeline chunk whose layer differs between
     # stages).

@@ -2,7 +2,7 @@
 
 Parameters are created in float32 with logical axis names; matmuls run in `dtype` (the compute
 dtype) with float32 accumulation where it matters (attention logits and softmax, norms), except
-the projections the fp8 precision policy (`fp8.Fp8Policy`) names, which run as fp8 GEMMs. The
+the projections the fp8 precision policy (`Fp8Policy`) names, which run as fp8 GEMMs. The
 attention core (QK^T, softmax, PV) never runs in fp8. Numerics follow Hugging Face
 `LlamaForCausalLM`, our reference: RMSNorm in float32, rotate-half RoPE, query head h reads kv
 head h // R.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dsjax import fp8, fp8_probe
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model import kv_cache
 from dsjax.model.attention import attention_core, attention_mask  # noqa: F401 (re-export)
 from dsjax.model.attention import masked_attention
@@ -38,7 +39,7 @@ def policy_name(param: str) -> str:
     return POLICY_NAMES.get(param, param)
 
 
-def prepare_fp8_weights(stack: dict, policy: fp8.Fp8Policy) -> dict:
+def prepare_fp8_weights(stack: dict, policy: Fp8Policy) -> dict:
     """The `fp8.WEIGHTS_COLLECTION` of a stack of layers ({"params": ..., and with delayed
     scaling "fp8_meta": ...}, each leaf on a leading layers dim): every projection weight the
     policy runs in fp8, quantised for all layers at once (`fp8.prepare_weight`). Quantised here,
@@ -191,7 +192,7 @@ class Attention(nn.Module):
     rope_theta: float
     init_std: float
     dtype: Dtype = jnp.float32
-    fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, v, o
+    fp8_policy: Fp8Policy | None = None  # asked for q, k, v, o
     core: AttentionCore = AttentionCore()
 
     @nn.compact
@@ -233,7 +234,7 @@ class SwiGLU(nn.Module):
     mlp_dim: int
     init_std: float
     dtype: Dtype = jnp.float32
-    fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
+    fp8_policy: Fp8Policy | None = None  # asked for gate, up, down
 
     @nn.compact
     def __call__(self, x_BSD: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from dsjax import fp8
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model import kv_cache
 from dsjax.model.attention import masked_softmax
 from dsjax.model.dots import einsum_f32
@@ -114,7 +114,7 @@ class MLA(nn.Module):
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
     dtype: Dtype = jnp.float32
-    fp8_policy: fp8.Fp8Policy | None = None  # asked for q, k, o
+    fp8_policy: Fp8Policy | None = None  # asked for q, k, o
     core: AttentionCore = AttentionCore()
 
     @nn.compact

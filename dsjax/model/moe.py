@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from dsjax import fp8
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model import moe_exchange, moe_grouped
 from dsjax.model.layers import SwiGLU, _param
 
@@ -164,7 +165,7 @@ class MoE(nn.Module):
     exchange: str  # grouped with expert parallelism: static | ragged (moe_exchange.py)
     unroll: bool = False  # padded: unroll the tile loop (benchmarks count its FLOPs so)
     dtype: Dtype = jnp.float32
-    fp8_policy: fp8.Fp8Policy | None = None  # asked for gate, up, down
+    fp8_policy: Fp8Policy | None = None  # asked for gate, up, down
 
     def _grouped(self) -> moe_grouped.Grouped | None:
         """How this layer runs its grouped GEMMs (`ragged` or `padded`); None for the capacity

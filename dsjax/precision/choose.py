@@ -17,6 +17,7 @@ from dsjax.config import layer_map
 from dsjax.config.layer_map import FLOAT32, FP8, OTHER
 from dsjax.fp8_probe import STATS
 
+SPIKE_WINDOW = 16  # steps of the loss and of each layer's gradient norm a spike is measured by
 # Codes from least to most precise: a move to the right is a demotion (immediate).
 ORDER = (FP8, OTHER, FLOAT32)
 _I = {name: i for i, name in enumerate(STATS)}
@@ -86,6 +87,28 @@ class Choices:
     def set_state(self, state: dict[str, Any]) -> None:
         self.words = list(state["words"])
         self.streaks = np.asarray(state["streaks"], np.int64).reshape(self.streaks.shape)
+
+
+def spikes(windows: list[list[float]], losses: list[float], norms: np.ndarray, loss: float,
+           words: list[str], spike_factor: float, loss_spike: float) -> dict[int, str]:
+    """{layer: why} of the layers with fp8 projections that leave fp8 now: a layer whose
+    gradient norm exceeds `spike_factor` x the median of its last SPIKE_WINDOW (`windows`), and
+    on a loss above `loss_spike` x the median of the last SPIKE_WINDOW (`losses`) the one whose
+    norm rose most against its median. A factor of 0 turns its rule off; a rule needs full
+    windows."""
+    full = [len(w) == SPIKE_WINDOW for w in windows]
+    ratios = [float(v) / max(float(np.median(w)), 1e-30) if ok else 0.0
+              for v, w, ok in zip(norms, windows, full)]
+    in_fp8 = [FP8 in w for w in words]
+    out = {i: f"gradient norm {norms[i]:.3g} > {spike_factor:g} x its median"
+           for i, r in enumerate(ratios) if spike_factor and r > spike_factor and in_fp8[i]}
+    if loss_spike and len(losses) == SPIKE_WINDOW and loss > loss_spike * np.median(losses):
+        candidates = [i for i in range(len(words)) if in_fp8[i] and full[i]]
+        if candidates:
+            top = max(candidates, key=lambda i: ratios[i])
+            out.setdefault(top, f"loss {loss:.4g} > {loss_spike:g} x its median; this layer's "
+                                f"gradient norm rose most ({ratios[top]:.2f} x)")
+    return out
 
 
 def fp8_flops_fraction(words: list[str], weights: np.ndarray) -> float:

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax import fp8, fp8_probe, sharding
+from dsjax import fp8_probe, sharding
+from dsjax.fp8_policy import Fp8Policy
 from dsjax.model.batch import media_args
 from dsjax.model.decoder import Transformer
 from dsjax.model.layers import ROUTED_EXPERTS, policy_name, probe_tokens
@@ -28,9 +29,11 @@ def probe_model(model: Transformer, other_dtype: str) -> Transformer:
     """The training model as the probe runs it: float32 everywhere, every layer's projections
     in the policy's matmuls measured, no pipeline or run-time switch."""
     policy = model.fp8_policy
-    return model.clone(parent=None, dtype=jnp.float32, fp8_switch=(), fp8_policy=fp8.Fp8Policy(
-        matmuls=policy.matmuls, recipe=policy.recipe, history=policy.history,
-        probe=other_dtype))
+    # "delayed" scales from a history the probe does not read: it measures with current
+    # scales (fp8_probe.measure), and so its model carries no fp8_meta.
+    recipe = "current" if policy.recipe == "delayed" else policy.recipe
+    return model.clone(parent=None, dtype=jnp.float32, fp8_switch=(), fp8_policy=Fp8Policy(
+        matmuls=policy.matmuls, recipe=recipe, history=policy.history, probe=other_dtype))
 
 
 def _probe_loss(model: Transformer, params: Any, tokens: Any, batch: dict[str, jax.Array]
@@ -95,10 +98,11 @@ def flops_weights(params: Any, matmuls: tuple[str, ...], top_k: int, experts: in
 @dataclasses.dataclass
 class Probe:
     """The probe for one trainer's model and mesh: `__call__(params, batch)` -> stats
-    [L, P, len(STATS)] as numpy, from the first micro-batch of `batch`."""
+    [L, P, len(STATS)] as numpy, from the first `rows` rows of `batch`'s first micro-batch."""
     model: Transformer  # the probe model (`probe_model`)
     mesh: Any
     rules: Any
+    rows: int = 0  # at most this many rows of the micro-batch (0: all)
 
     def __post_init__(self):
         self._fn = jax.jit(_probe_step, static_argnums=0)
@@ -106,6 +110,8 @@ class Probe:
     def __call__(self, params: Any, batch: dict[str, jax.Array]) -> np.ndarray:
         if batch["inputs"].ndim == 3:  # accumulation: [k, B/k, S] -> the first micro-batch
             batch = {k: v[0] for k, v in batch.items()}
+        if self.rows:
+            batch = {k: v[:self.rows] for k, v in batch.items()}
         with sharding.activate(self.mesh, self.rules):
             grads = self._fn(self.model, params, batch)
         return stats_by_layer(jax.device_get(grads), self.model.fp8_policy.matmuls)

@@ -13,16 +13,17 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import layer_map
 from dsjax.fp8_probe import STATS
-from dsjax.precision.choose import (Choices, describe, fp8_flops_fraction, fp8_layer_shares,
-                                    verdicts)
+from dsjax.precision.choose import (SPIKE_WINDOW, Choices, describe, fp8_flops_fraction,
+                                    fp8_layer_shares, spikes, verdicts)
 from dsjax.precision.delayed import restart
 from dsjax.precision.probe import Probe, flops_weights, probe_model
+from dsjax.precision.speed import projection_shapes, slower_in_fp8, time_projection
 
-SPIKE_WINDOW = 16  # steps of each layer's gradient norm the spike rule takes the median of
 _I = {name: i for i, name in enumerate(STATS)}
 
 
@@ -44,7 +45,7 @@ class Selector:
         pinned = tuple(not f.keep_first_layers <= i < L - f.keep_last_layers for i in range(L))
         self.choices = Choices.start(L, len(self.matmuls), pinned)
         self.probe = Probe(probe_model(trainer.model, f.other_dtype), trainer.mesh,
-                           trainer.rules)
+                           trainer.rules, f.probe_rows)
         abstract = trainer.abstract_state().params
         self.weights = flops_weights(abstract, self.matmuls, cfg.model.num_experts_per_tok,
                                      cfg.model.n_routed_experts)
@@ -53,12 +54,14 @@ class Selector:
         self.last: dict[str, Any] = {}  # the last probe: step and stats [L, P, len(STATS)]
         self.probes = 0
         self.seconds = {"probe": 0.0, "compile": 0.0}
-        self.restored = False
         self._spiked: list[tuple[int, str]] = []  # (layer, why) to demote before the next step
         self.losses: list[float] = []  # the last SPIKE_WINDOW losses
         self.speed_note = ("the speed term (fp8 vs bf16 GEMM timing) needs a GPU; on "
                            f"{jax.default_backend()} it is off and fp8 is chosen on error alone"
                            if jax.default_backend() != "gpu" else "")
+        self.slow: list[str] = []  # projections the speed term keeps out of fp8 (GPU)
+        self.times: dict[str, tuple[float, float]] = {}
+        self.data = trainer.cfg.mesh.data
 
     # -- decisions ----------------------------------------------------------------------------
     def due(self, step_idx: int) -> bool:
@@ -73,14 +76,19 @@ class Selector:
         for layer, why in self._spiked:
             self._record(step_idx, self.choices.demote_layer(layer), why)
         self._spiked = []
-        first = not self.restored and self.probes == 0  # this run's map is not chosen yet
+        first = self.probes == 0  # this run's map is not chosen yet (nor restored)
         if first or self.due(step_idx):
             t0 = time.perf_counter()
             stats = self.probe(state.params, batch)
             self.seconds["probe"] += time.perf_counter() - t0
             self.probes += 1
             self.last = {"step": step_idx, "stats": stats}
+            if first and not self.speed_note:
+                self._time_gemms(state.params, batch)
             verdict = verdicts(stats, self.f.max_rel_error, self.f.max_underflow)
+            slow = [j for j, m in enumerate(self.matmuls) if m in self.slow]
+            verdict[:, slow] = np.where(verdict[:, slow] == layer_map.FP8, layer_map.OTHER,
+                                        verdict[:, slow])
             changes = self.choices.update(verdict, self.f.hysteresis, first)
             if first:  # the run's starting map, not a change
                 self.log(f"precision: the probe before step {step_idx + 1} chose (fp8 where "
@@ -94,36 +102,36 @@ class Selector:
                 self._record(step_idx, changes, "probe", stats)
         return self.apply(trainer, state, batch)
 
+    def _time_gemms(self, params: Any, batch: dict[str, Any]) -> None:
+        """The speed term (GPU): each projection's GEMM timed in fp8 and in other_dtype at this
+        run's per-device tokens; where fp8 is not faster it stays out of fp8."""
+        rows, seq = batch["inputs"].shape[-2:]
+        tokens = max(rows // self.data, 1) * seq
+        for name, (k, n) in projection_shapes(params, self.matmuls).items():
+            self.times[name] = time_projection(tokens, k, n, jnp.dtype(self.f.other_dtype),
+                                               self.f.recipe)
+        self.slow = sorted(slower_in_fp8(self.times))
+        shapes = projection_shapes(params, self.matmuls)
+        for name, (t8, to) in self.times.items():
+            k, n = shapes[name]
+            self.log(f"precision: speed term, {name} ({tokens} x {k} x {n}, forward and "
+                     f"backward): fp8 {1e3 * t8:.3f} ms, {self.f.other_dtype} {1e3 * to:.3f} ms"
+                     f"{'; stays out of fp8' if name in self.slow else ''}")
+
     def observe(self, step_idx: int, m: dict[str, Any]) -> None:
-        """Reads a finished step's loss and per-layer gradient norms. A layer whose norm is
-        above `spike_factor` x the median of its last SPIKE_WINDOW, and on a loss above
-        `loss_spike` x the loss's median the layer whose norm rose most, leave fp8 before the
-        next step."""
+        """Reads a finished step's loss and per-layer gradient norms (`spikes` decides which
+        layers leave fp8 before the next step)."""
         norms = m.get("layer_grad_norm")
         if norms is None or not bool(m.get("finite", True)):
             return
         norms, loss = np.asarray(norms, np.float64), float(m["loss"])
-        f, words = self.f, self.choices.words
-        full = [len(w) == SPIKE_WINDOW for w in self.windows]
-        ratios = [value / max(float(np.median(w)), 1e-30) if ok else 0.0
-                  for value, w, ok in zip(norms, self.windows, full)]
-        spiked = {i for i, r in enumerate(ratios)
-                  if f.spike_factor and r > f.spike_factor and layer_map.FP8 in words[i]}
-        why = {i: f"gradient norm {norms[i]:.3g} > {f.spike_factor:g} x its median"
-               for i in spiked}
-        if (f.loss_spike and len(self.losses) == SPIKE_WINDOW
-                and loss > f.loss_spike * float(np.median(self.losses))):
-            fp8_layers = [i for i in range(len(words)) if layer_map.FP8 in words[i] and full[i]]
-            if fp8_layers:
-                top = max(fp8_layers, key=lambda i: ratios[i])
-                spiked.add(top)
-                why[top] = (f"loss {loss:.4g} > {f.loss_spike:g} x its median; this layer's "
-                            f"gradient norm rose most ({ratios[top]:.2f} x)")
+        spiked = spikes(self.windows, self.losses, norms, loss, self.choices.words,
+                        self.f.spike_factor, self.f.loss_spike)
         for i, value in enumerate(norms):
             if i in spiked:
-                self.log(f"precision: after step {step_idx + 1}, layer {i}: {why[i]}")
-                self._spiked.append((i, why[i]))
-                self.windows[i].clear()
+                self.log(f"precision: after step {step_idx + 1}, layer {i}: {spiked[i]}")
+                self._spiked.append((i, spiked[i]))
+                self.windows[i] = []
             else:
                 self.windows[i] = (self.windows[i] + [float(value)])[-SPIKE_WINDOW:]
         self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
@@ -192,8 +200,9 @@ class Selector:
                 "step": self.last["step"],
                 **{k: np.asarray(self.last["stats"])[..., _I[k]].round(5).tolist()
                    for k in STATS}}
-        if self.speed_note:
-            out["precision_speed_term"] = self.speed_note
+        out["precision_speed_term"] = self.speed_note or {
+            name: {"fp8_ms": 1e3 * t8, "other_ms": 1e3 * to, "fp8": name not in self.slow}
+            for name, (t8, to) in self.times.items()}
         return out
 
     def describe(self) -> list[str]:
@@ -203,7 +212,7 @@ class Selector:
     # -- checkpoint ---------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
         return {**self.choices.get_state(), "windows": self.windows, "losses": self.losses,
-                "changes": self.changes, "probes": self.probes}
+                "changes": self.changes, "probes": self.probes, "slow": self.slow}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.choices.set_state(state)
@@ -211,4 +220,4 @@ class Selector:
         self.losses = list(state["losses"])
         self.changes = list(state["changes"])
         self.probes = int(state["probes"])
-        self.restored = True
+        self.slow = list(state["slow"])

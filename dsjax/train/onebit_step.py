@@ -185,7 +185,8 @@ def onebit_step(state: TrainState, batch: dict[str, jax.Array], *, compressed: b
             out_specs=(view_specs, opt_specs, P()))(grads, state.opt_state, state.params)
     new_state, metrics = finish_step(state, batch, lr_scale, loss, tokens, aux,
                                      grads,  # every worker's: the report names a bad one
-                                     grad_norm, new_params, new_opt_state, meta_grads)
+                                     grad_norm, new_params, new_opt_state, meta_grads,
+                                     per_worker=jax.tree.map(lambda o: not o, owned))
     metrics["onebit_compressed"] = jnp.asarray(int(compressed), jnp.int32)
     return new_state, metrics
 

@@ -41,6 +41,8 @@ class TrainState:
                             # routers: aux-loss-free bias step after each step (DeepSeek-V3)
     trainable: tuple[str, ...] = struct.field(pytree_node=False, default=TRAINABLE_GROUPS)
                             # parameter groups that learn (train.trainable, dsjax.optim.groups)
+    layer_norms: bool = struct.field(pytree_node=False, default=False)  # metrics carry each
+                            # layer's gradient norm (fp8.select=auto's spike rule reads them)
     ref_params: Any = None  # train.task='dpo': the frozen reference policy, the run's starting
                             # params (never updated, no optimizer state); None otherwise
 
@@ -53,14 +55,24 @@ def finite_by_group(grads: Any) -> dict[str, jax.Array]:
             for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
 
 
-def layer_grad_norms(grads: Any) -> jax.Array | None:
+def layer_grad_norms(grads: Any, per_worker: Any = None) -> jax.Array | None:
     """[L]: each decoder layer's gradient norm (the scanned stacks, in layer order); None for a
-    params tree without them. `fp8.select=auto` demotes a layer whose norm spikes."""
-    stacks = [grads[k] for k in ("layers", "moe_layers") if isinstance(grads, dict) and k in grads]
-    if not stacks:
+    params tree without them. `per_worker`: a tree of bools like `grads`, True where a leaf
+    carries a leading axis of the data-parallel workers' own gradients (1-bit Adam): their root
+    mean square. `fp8.select=auto` demotes a layer whose norm spikes."""
+    names = [k for k in ("layers", "moe_layers") if isinstance(grads, dict) and k in grads]
+    if not names:
         return None
-    squares = [sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
-                   for g in jax.tree.leaves(stack)) for stack in stacks]
+    squares = []
+    for name in names:
+        leaves = jax.tree.leaves(grads[name])
+        workers = (jax.tree.leaves(per_worker[name]) if per_worker is not None
+                   else [False] * len(leaves))
+        total = 0.0
+        for g, w in zip(leaves, workers):
+            sq = jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1 + w, g.ndim)))
+            total = total + (jnp.mean(sq, axis=0) if w else sq)
+        squares.append(total)
     return jnp.sqrt(jnp.concatenate(squares))
 
 
@@ -75,11 +87,12 @@ def nonfinite_groups(metrics: dict[str, Any]) -> str:
 
 def finish_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float,
                 loss: jax.Array, tokens: jax.Array, aux: dict[str, jax.Array], grads: Any,
-                grad_norm: jax.Array, new_params: Any, new_opt_state: Any, meta_grads: Any
-                ) -> tuple[TrainState, dict]:
+                grad_norm: jax.Array, new_params: Any, new_opt_state: Any, meta_grads: Any,
+                per_worker: Any = None) -> tuple[TrainState, dict]:
     """Every train step's tail: moves MoE router biases by the expert loads (outside the
     gradient, DeepSeek-V3), applies the results unless the loss or gradient is non-finite, and
-    returns the metrics (`grads`: what the non-finite report names, per leaf)."""
+    returns the metrics (`grads`: what the non-finite report names, per leaf; `per_worker`:
+    see `layer_grad_norms`)."""
     if "moe_load" in aux and state.router_bias_speed:
         new_params = moe.with_updated_router_bias(new_params, state.params, aux["moe_load"],
                                                   state.router_bias_speed)
@@ -95,7 +108,7 @@ def finish_step(state: TrainState, batch: dict[str, jax.Array], lr_scale: float,
                "skipped_steps": new_state.loss_scale.skipped_steps,
                "grad_finite": finite_by_group(grads), **moe.load_metrics(aux),
                **{k: aux[k] for k in DPO_METRICS if k in aux}}
-    norms = layer_grad_norms(grads)
+    norms = layer_grad_norms(grads, per_worker) if state.layer_norms else None
     if norms is not None:
         metrics["layer_grad_norm"] = norms
     if "image_mask" in batch:  # images and video frames in a vision-language batch

@@ -224,7 +224,8 @@ def build_trainer(cfg: Config, mesh: Mesh | None = None) -> Trainer:
                           fp8_margin=model.fp8_policy.margin if model.fp8_policy else 0.0,
                           router_bias_speed=(cfg.model.bias_update_speed
                                              if cfg.model.scoring == "sigmoid" else 0.0),
-                          trainable=trainable, ref_params=params if dpo else None)
+                          trainable=trainable, ref_params=params if dpo else None,
+                          layer_norms=cfg.fp8.select == "auto")
 
     # Optimizer moments mirror the boxed params, so they inherit the same logical axis names.
     abstract = jax.eval_shape(init_boxed, jax.random.key(0))
