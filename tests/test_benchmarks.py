@@ -115,6 +115,14 @@ SMOKE = {
                    "comm.json", {"config", "exact_bytes", "compressed_bytes", "ratio",
                                  "collectives_per_step", "exact_collectives_per_step", "mesh",
                                  "gradient_floats_per_device", "float32_allreduce_bytes"}, None),
+    # fp8.select=auto against all-fp8 and bf16: one seed, 2 steps of the tiny model, 3 runs.
+    "precision_table": ("precision_table", [
+        "--config", "configs/cpu_tiny.py", "--steps", "2", "--seeds", "0", *TINY_SET,
+        "--set", "data.global_batch=8", "--set", "data.eval_batches=1",
+        "--set", "train.sample_tokens=0", "--set", "metrics.tensorboard=False",
+        "--out", "{out}/precision.json"],
+        "precision.json", {"config", "runs", "eval_loss", "auto_vs_bf16", "auto_minus_fp8"},
+        None),
     "comm_bytes_smoke": ("comm_bytes", ["--config", "configs/h100_fp8.py:smoke", "--out",
                                         "{out}/comm.json"],
                          "comm.json", {"config", "exact_bytes", "compressed_bytes", "ratio"},
@@ -206,6 +214,8 @@ DOCUMENTED = {
     "--out benchmarks/results/comm_bytes_h100_fp8_smoke.json": "comm_bytes_smoke",
     "python benchmarks/attention_table.py --out benchmarks/results/attention_table_cpu.json":
         "attention_table",
+    "python benchmarks/precision_table.py --config configs/cpu_tiny.py --steps 150 --seeds 0,1 "
+    "--out benchmarks/results/precision_cpu_tiny.json": "precision_table",
     "python benchmarks/context_table.py": "context_table",
     "python benchmarks/context_table.py --out benchmarks/results/context_table_7b_32k.json":
         "context_table",

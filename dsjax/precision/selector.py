@@ -53,7 +53,8 @@ class Selector:
         self.changes: list[dict[str, Any]] = []  # every change of the run, in order
         self.last: dict[str, Any] = {}  # the last probe: step and stats [L, P, len(STATS)]
         self.probes = 0
-        self.seconds = {"probe": 0.0, "compile": 0.0}
+        self.seconds = {"probe": 0.0, "compile": 0.0, "first_compile": 0.0}
+        self.applied = False  # the run has switched to a chosen map (restored or probed)
         self._spiked: list[tuple[int, str]] = []  # (layer, why) to demote before the next step
         self.losses: list[float] = []  # the last SPIKE_WINDOW losses
         self.speed_note = ("the speed term (fp8 vs bf16 GEMM timing) needs a GPU; on "
@@ -167,7 +168,10 @@ class Selector:
                                                    trainer.model.stack_ranges()))
         if batch is not None:
             trainer.program_for(state, batch)  # the compile, here rather than in the step
-        self.seconds["compile"] += time.perf_counter() - t0
+        # The run's first map compiles a step any run compiles: not the selector's cost.
+        key = "compile" if self.applied else "first_compile"
+        self.seconds[key] += time.perf_counter() - t0
+        self.applied = True
         self.log(f"precision: map {words} ({self.fp8_flops_fraction:.2f} of projection FLOPs "
                  f"in fp8)")
         return state
@@ -221,3 +225,4 @@ class Selector:
         self.changes = list(state["changes"])
         self.probes = int(state["probes"])
         self.slow = list(state["slow"])
+        self.applied = True  # the restored map's compile is the resumed run's first step's
