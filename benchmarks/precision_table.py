@@ -30,17 +30,33 @@ VARIANTS = {
 }
 
 
-def run_one(config: str, workdir: str, flags: dict[str, str], timeout: int) -> dict:
-    """One launch.py run; its summary with the wall time and the load average before it."""
-    cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
-           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in flags.items()]
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+def run_one(config: str, workdir: str, flags: dict[str, str], timeout: int,
+            reuse: bool = False) -> dict:
+    """One launch.py run; its summary with the wall time and the load average before it.
+    `reuse`: a finished run of the same config and flags in `workdir` (its bench.json) is read,
+    not run again."""
+    record = os.path.join(workdir, "bench.json")
+    if reuse and os.path.exists(record):
+        with open(record, encoding="utf-8") as f:
+            made = json.load(f)
+        if made["config"] != config or made["flags"] != flags:
+            raise SystemExit(f"--reuse: {workdir} was run with other flags: {made}")
+        wall, load = made["wall_seconds"], made["load_before"]
+    else:
+        if os.path.exists(workdir):
+            raise SystemExit(f"{workdir} exists: pass --reuse, or another --workdir")
+        cmd = [sys.executable, os.path.join(ROOT, "launch.py"), f"--config={config}",
+               f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in flags.items()]
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(record, "w", encoding="utf-8") as f:
+            json.dump({"config": config, "flags": flags, "wall_seconds": wall,
+                       "load_before": load}, f)
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     steps = summary["steps"]
@@ -73,6 +89,8 @@ def main(argv=None) -> dict:
                         help="a config override for every run (repeatable)")
     parser.add_argument("--workdir", default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read runs already finished in --workdir with the same flags")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
 
@@ -86,7 +104,7 @@ def main(argv=None) -> dict:
         for name in variants:
             flags = {**common, **VARIANTS[name], "train.seed": str(seed)}
             runs[name][seed] = run_one(args.config, os.path.join(base, f"{name}-{seed}"),
-                                       flags, args.timeout)
+                                       flags, args.timeout, args.reuse)
             print(f"{name} seed {seed}: held-out {runs[name][seed]['eval_loss']:.4f}",
                   flush=True)
     result = {"config": args.config, "steps": args.steps, "seeds": seeds, "overrides": common,

@@ -33,6 +33,8 @@ class Fp8Policy:
     def runs(self, name: str, layer: int | None = None) -> bool:
         """Does matmul `name` of layer `layer` run in fp8? (`layer` None: of this policy's
         layer, or of a layer that runs every matmul.)"""
+        if self.probe:  # the probe's model measures fp8, it runs everything in float32
+            return False
         if layer is None or not self.layers:
             return name in self.matmuls
         return name in self.layers[layer][0]

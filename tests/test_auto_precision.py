@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import FLAT_MESH, read_records, run_launch
 
-from dsjax import fp8, fp8_probe, sharding
+from dsjax import fp8, fp8_probe
 from dsjax.config import layer_map
 from dsjax.fp8_policy import Fp8Policy
 from dsjax.precision import choose
@@ -167,10 +167,15 @@ def test_spike_rules():
     W = choose.SPIKE_WINDOW
     windows = [[1.0] * W, [2.0] * W, [1.0] * (W - 1)]
     words = ["88", "88", "88"]
-    norms = np.array([5.0, 3.0, 100.0])
-    # Layer 0 at 5x its median; layer 2's window is not full yet.
+    norms = np.array([5.0, 2.0, 100.0])
+    # Layer 0 at 5x its median, layer 1 at 1x; layer 2's window is not full yet.
     assert set(choose.spikes(windows, [], norms, 1.0, words, 4.0, 1.5)) == {0}
     assert choose.spikes(windows, [], norms, 1.0, words, 0.0, 1.5) == {}
+    # Every layer at 5x at once (early training): the optimizer's surge, not a layer's.
+    assert choose.spikes(windows, [], np.array([5.0, 10.0, 1.0]), 1.0, words, 4.0, 1.5) == {}
+    # Layer 0 at 25x while layer 1 is at 5x: 5x more than its peers.
+    assert set(choose.spikes(windows, [], np.array([25.0, 10.0, 1.0]), 1.0, words, 4.0,
+                             1.5)) == {0}
     # A loss spike takes the layer whose norm rose most, once the loss window is full.
     quiet = np.array([1.2, 3.0, 1.0])  # ratios 1.2, 1.5
     assert set(choose.spikes(windows, [2.0] * W, quiet, 3.5, words, 4.0, 1.5)) == {1}
@@ -233,7 +238,6 @@ def test_a_planted_outlier_leaves_fp8_at_the_next_probe_and_returns_after_the_hy
     take layer 1's MLP input projections (gate, up; down reads their product) out of fp8 and
     nothing else; with the hook gone, the probes at 4 and 6 find them clean, and they return at
     6 (hysteresis 2), which they would at 4 if the map were not restored from the checkpoint."""
-    from conftest import TINY_FLAGS
     run = str(tmp_path / "run")
     for steps, hook in ((2, -1), (4, 1), (8, -1)):
         proc = run_launch(run, {**AUTO, "train.steps": steps, "fp8.test_outlier_layer": hook})
@@ -268,7 +272,10 @@ def test_a_planted_outlier_leaves_fp8_at_the_next_probe_and_returns_after_the_hy
                (("8", "#4caf50"), ("o", "#ffb300"), ("f", "#e53935"))}
     seen = {code for rgb, code in colours.items() if np.all(image == rgb, axis=-1).sum() > 500}
     assert seen == {"8"}, seen
-    del TINY_FLAGS
+    # --mode eval evaluates in the map the run ended with.
+    proc = run_launch(run, {**AUTO, "train.steps": 8}, mode="eval")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "evaluating with the run's map 8888888,8888888" in proc.stdout, proc.stdout
 
 
 def test_auto_composes_with_1f1b_delayed_scaling_and_1bit_adam_and_resumes_bit_exact(tmp_path):

@@ -81,8 +81,9 @@ def probe_tokens(params: dict, matmuls: tuple[str, ...]) -> dict:
 
 def _project(module: nn.Module, name: str, eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """One projection matmul: fp8 GEMMs if the precision policy names it (`policy_name(name)`),
-    else the compute dtype. In fp8 it uses the weight `prepare_fp8_weights` quantised ahead
-    where the layer has one.
+    float32 if it widens it, else the compute dtype; in a probe's model (docs/precision.md) a
+    float32 `fp8_probe.probe_einsum`. In fp8 it uses the weight `prepare_fp8_weights` quantised
+    ahead where the layer has one.
 
     `eq` starts with the token dims "BS" on x and on the output; they are flattened into one
     before the matmul, so that the weight gradient contracts one dim, not two: XLA:CPU runs the

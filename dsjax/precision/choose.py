@@ -92,16 +92,24 @@ class Choices:
 def spikes(windows: list[list[float]], losses: list[float], norms: np.ndarray, loss: float,
            words: list[str], spike_factor: float, loss_spike: float) -> dict[int, str]:
     """{layer: why} of the layers with fp8 projections that leave fp8 now: a layer whose
-    gradient norm exceeds `spike_factor` x the median of its last SPIKE_WINDOW (`windows`), and
-    on a loss above `loss_spike` x the median of the last SPIKE_WINDOW (`losses`) the one whose
-    norm rose most against its median. A factor of 0 turns its rule off; a rule needs full
-    windows."""
+    gradient norm exceeds `spike_factor` x the median of its last SPIKE_WINDOW (`windows`) and
+    rose `spike_factor` x more than the other layers' did (the median of their ratios: when
+    every layer surges at once, as early in training, the cause is the optimizer's, not one
+    layer's precision); and on a loss above `loss_spike` x the median of the last SPIKE_WINDOW
+    (`losses`), the layer whose norm rose most against its median. A factor of 0 turns its rule
+    off; a rule needs full windows."""
     full = [len(w) == SPIKE_WINDOW for w in windows]
     ratios = [float(v) / max(float(np.median(w)), 1e-30) if ok else 0.0
               for v, w, ok in zip(norms, windows, full)]
     in_fp8 = [FP8 in w for w in words]
-    out = {i: f"gradient norm {norms[i]:.3g} > {spike_factor:g} x its median"
-           for i, r in enumerate(ratios) if spike_factor and r > spike_factor and in_fp8[i]}
+
+    def peers(i):
+        others = [r for j, r in enumerate(ratios) if j != i and full[j]]
+        return float(np.median(others)) if others else 1.0
+    out = {i: f"gradient norm {norms[i]:.3g} > {spike_factor:g} x its median, and it rose "
+              f"{r / max(peers(i), 1e-30):.1f} x more than the other layers'"
+           for i, r in enumerate(ratios)
+           if spike_factor and in_fp8[i] and r > spike_factor * max(1.0, peers(i))}
     if loss_spike and len(losses) == SPIKE_WINDOW and loss > loss_spike * np.median(losses):
         candidates = [i for i in range(len(words)) if in_fp8[i] and full[i]]
         if candidates:

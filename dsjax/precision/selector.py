@@ -79,6 +79,7 @@ class Selector:
         self._spiked = []
         first = self.probes == 0  # this run's map is not chosen yet (nor restored)
         if first or self.due(step_idx):
+            jax.block_until_ready(state.params)  # the step in flight is not the probe's time
             t0 = time.perf_counter()
             stats = self.probe(state.params, batch)
             self.seconds["probe"] += time.perf_counter() - t0

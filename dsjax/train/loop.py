@@ -279,7 +279,8 @@ def run(cfg: Config, workdir: str, *, allow_fallback: bool = False, max_runtime_
     if stopped:
         mx.log(f"stopped early at step {saved} of {cfg.train.steps} ({stopped}): checkpoint "
                f"written to {checkpointer.directory}; run the same command to resume")
-        mx.update_summary(workdir, {"stopped_early": stopped, "steps_done": saved})
+        mx.update_summary(workdir, {"stopped_early": stopped, "steps_done": saved,
+                                    **({} if selector is None else selector.summary())})
         return {"stopped_early": stopped, "steps_done": saved}
 
     history = writer.history
@@ -320,5 +321,13 @@ def run_eval(cfg: Config, workdir: str, allow_fallback: bool = False) -> dict[st
     trainer = build_trainer(cfg)
     params = ckpt.restore_params(workdir, trainer.abstract_state().params, cfg.model,
                                  allow_fallback=allow_fallback, log=mx.log)
+    if cfg.fp8.select == "auto":  # evaluate in the precision the run trained in last
+        layers = mx.update_summary(workdir, {}).get("precision_layers")
+        if layers:
+            trainer.switch_precision(layers, trainer.abstract_state())
+            mx.log(f"precision: evaluating with the run's map {layers} (summary.json)")
+        else:
+            mx.log("warning: fp8.select=auto but summary.json records no precision map: "
+                   "evaluating with every fp8.matmuls projection in fp8")
     splits = data_splits(cfg, workdir)
     return evaluate.evaluate_and_report(trainer, params, splits, cfg, workdir)
