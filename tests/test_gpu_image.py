@@ -22,7 +22,8 @@ CARRIED = ("ml-collections",)  # carried as wheels (the script's header, the REA
 # What the GPU script's import path needs from the image, pinned where the image's list pins.
 NEEDED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "numpy", "absl-py",
           "rich", "pillow", "scikit-learn", "scikit-image", "safetensors", "tokenizers",
-          "nvidia-ml-py", "jinja2")  # jinja2: chat templates (dsjax.data, imported by train)
+          "nvidia-ml-py", "jinja2",  # jinja2: chat templates (dsjax.data, imported by train)
+          "matplotlib")  # fp8.select=auto's heat map (dsjax.precision, imported by train)
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_mfu.sh")
 MAX_FILES = 4  # the device machine returns few files: gpu_mfu.json, gpu_mfu.log and two more
 MAX_LIMITS_S = 420  # the device time of a session, less the machine's start

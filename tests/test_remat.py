@@ -144,7 +144,7 @@ def test_mla_and_moe_tags_are_policy_names_that_change_what_is_saved(name, where
         "remat.policy": f"names:{name}"})
     assert cfg.remat.policy == f"names:{name}"
     model = Transformer(cfg.model)
-    block = model._block(use_fp8=False, moe=True)  # pylint: disable=protected-access
+    block = model._block(((), ()), moe=True)  # no fp8  # pylint: disable=protected-access
     x = jax.random.normal(jax.random.key(0), (2, 8, cfg.model.hidden_size))
     pos, seg = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
     variables = block.init(jax.random.key(1), x, pos, seg)
