@@ -54,20 +54,26 @@ def _probe_step(model: Transformer, params: Any, batch: dict[str, jax.Array]) ->
     return jax.grad(lambda t: _probe_loss(model, params, t, batch))(tokens)
 
 
+def _stack_leaves(tree: dict) -> list[tuple[int, list[tuple[list[str], Any]]]]:
+    """Per scanned stack of `tree`, in layer order: (its layer count, [(key path, leaf)])."""
+    out = []
+    for name in STACKS:
+        if name in tree:
+            leaves = [([str(getattr(k, "key", k)) for k in path], value)
+                      for path, value in jax.tree_util.tree_flatten_with_path(tree[name])[0]]
+            out.append((leaves[0][1].shape[0], leaves))
+    return out
+
+
 def stats_by_layer(grads: dict, matmuls: tuple[str, ...]) -> np.ndarray:
     """[L, len(matmuls), len(STATS)] from the probe's gradient tree: each projection's stats
     (MLA's two factors of q, and of k, combined by maximum), the stacks in layer order."""
     per_stack = []
-    for name in STACKS:
-        if name not in grads:
-            continue
-        leaves = jax.tree_util.tree_flatten_with_path(grads[name])[0]
-        n = leaves[0][1].shape[0]
+    for n, leaves in _stack_leaves(grads):
         out = np.zeros((n, len(matmuls), len(fp8_probe.STATS)), np.float64)
-        for path, value in leaves:
-            key = str(getattr(path[-1], "key", path[-1]))
-            out[:, matmuls.index(policy_name(key))] = np.maximum(
-                out[:, matmuls.index(policy_name(key))], np.asarray(value, np.float64))
+        for keys, value in leaves:
+            j = matmuls.index(policy_name(keys[-1]))
+            out[:, j] = np.maximum(out[:, j], np.asarray(value, np.float64))
         per_stack.append(out)
     return np.concatenate(per_stack)
 
@@ -77,14 +83,9 @@ def flops_weights(params: Any, matmuls: tuple[str, ...], top_k: int, experts: in
     """[L, P]: each projection's multiply-adds per token (its weight's size per layer; routed
     experts count top_k / experts of theirs, beside a MoE layer's shared experts)."""
     per_stack = []
-    for name in STACKS:
-        if name not in params:
-            continue
-        leaves = jax.tree_util.tree_flatten_with_path(params[name])[0]
-        n = leaves[0][1].shape[0]
+    for n, leaves in _stack_leaves(params):
         out = np.zeros((n, len(matmuls)))
-        for path, value in leaves:
-            keys = [str(getattr(k, "key", k)) for k in path]
+        for keys, value in leaves:
             proj = policy_name(keys[-1])
             if proj in matmuls and len(value.shape) >= 3:
                 size = float(np.prod(value.shape[1:]))
