@@ -215,31 +215,44 @@ def computations_in_loops(compiled_hlo: str) -> tuple[dict[str, list[str]], set[
 
 def looped_axis_bytes(compiled_hlo: str, mesh: Any, axis: str) -> float:
     """Bytes one device sends along `axis` per call of compiled `compiled_hlo`, each collective
-    counted as often as it runs: times the known trip counts (XLA's `known_trip_count`) of the
-    while loops around it. A loop whose count XLA does not know counts once."""
+    counted as often as it runs (`looped_axis_traffic`)."""
+    return looped_axis_traffic(compiled_hlo, mesh, axis)[1]
+
+
+def looped_axis_traffic(compiled_hlo: str, mesh: Any, axis: str) -> tuple[float, float]:
+    """(collective calls, bytes one device sends) along `axis` per call of compiled
+    `compiled_hlo`, each collective counted as often as it runs: times the known trip counts
+    (XLA's `known_trip_count`) of the while loops around it. A loop whose count XLA does not
+    know counts once; a conditional counts its costliest branch (an upper bound: a pipeline
+    tick's branch may be skipped)."""
     comps, _ = computations_in_loops(compiled_hlo)
     entry = next(m[1] for m in re.finditer(r"^ENTRY %?([\w.\-]+)", compiled_hlo, re.M))
-    callees: dict[str, list[tuple[str, int]]] = {}
-    for name, lines in comps.items():
-        callees[name] = []
-        for line in lines:
-            count = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-            for kind, group, one in re.findall(
-                    r"(calls|to_apply|body|condition)=(?:\{([^}]*)\}|%?([\w.\-]+))", line):
-                factor = int(count[1]) if count and kind == "body" else 1
-                callees[name] += [(c.strip().lstrip("%"), factor)
-                                  for c in (group or one).split(",")]
-    times: dict[str, int] = collections.defaultdict(int)
-
-    def visit(name: str, runs: int) -> None:  # every call path, its trip counts multiplied
-        times[name] += runs
-        for callee, factor in callees.get(name, ()):
-            visit(callee, runs * factor)
-
-    visit(entry, 1)
     shape = tuple(mesh.devices.shape)
     index = list(mesh.axis_names).index(axis)
-    return sum(times[name] * c.sent_bytes()
-               for name, lines in comps.items() if times.get(name)
-               for c in hlo_collectives("\n".join(lines), mesh.devices.size)
-               if c.spans(shape, index))
+    memo: dict[str, np.ndarray] = {}
+
+    def sent(name: str) -> np.ndarray:  # (calls, bytes) of one call of `name` and its callees
+        if name not in memo:
+            memo[name] = np.zeros(2)  # (a cycle, which HLO does not have, would count once)
+            lines = comps.get(name, [])
+            own = [c.sent_bytes() for c in hlo_collectives("\n".join(lines), mesh.devices.size)
+                   if c.spans(shape, index)]
+            total = np.array([len(own), sum(own)], dtype=float)
+            for line in lines:
+                count = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+                for kind, group, one in re.findall(
+                        r"(calls|to_apply|body|condition)=(?:\{([^}]*)\}|%?([\w.\-]+))", line):
+                    factor = int(count[1]) if count and kind == "body" else 1
+                    total += factor * sum(sent(c.strip().lstrip("%"))
+                                          for c in (group or one).split(","))
+                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+                pair = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+                names = [c.strip().lstrip("%") for c in branches[1].split(",")] if branches \
+                    else pair
+                if names:
+                    total += max((sent(c) for c in names), key=lambda x: tuple(x[::-1]))
+            memo[name] = total
+        return memo[name]
+
+    calls, nbytes = sent(entry)
+    return float(calls), float(nbytes)
