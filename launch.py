@@ -83,9 +83,13 @@ def main(argv):
         # Local: these import JAX, which may start only now that XLA_FLAGS is final.
         import jax  # pylint: disable=g-import-not-at-top
         from dsjax import metrics, sharding  # pylint: disable=g-import-not-at-top
+        workdir = FLAGS.workdir or default_workdir(name)
+        plan = None
+        if cfg.plan == "auto":  # the layout for the devices this run has (docs/planner.md)
+            from dsjax.plan import auto  # pylint: disable=g-import-not-at-top  (imports JAX)
+            cfg, plan = auto.planned_config(cfg, workdir, metrics.log)
         metrics.log(sharding.describe_layout(sharding.make_mesh(cfg)))
         metrics.log(xla_flags.summary(cfg.mesh.xla_profile))
-        workdir = FLAGS.workdir or default_workdir(name)
         if not FLAGS.verbose:
             quiet_library_logs(workdir, jax.process_index())
         if FLAGS.mode == "train" and cfg.posttrain.recipe:
@@ -104,6 +108,8 @@ def main(argv):
         else:
             from dsjax import train  # pylint: disable=g-import-not-at-top  (imports JAX)
             train.run_eval(cfg, workdir, allow_fallback=FLAGS.allow_fallback)
+        if plan is not None and FLAGS.mode == "train":
+            auto.record_outcome(workdir, plan)
     except Exception as e:  # pylint: disable=broad-except
         if FLAGS.verbose or not isinstance(e, USER_ERRORS):
             raise

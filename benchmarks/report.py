@@ -8,12 +8,13 @@ true` (and prints a warning) when that share passes `OTHERS_MAX` (docs/observabi
 "Conditions").
 """
 
-import ast
 import json
 import math
 import os
 import time
 from typing import Any
+
+from dsjax.config.load import parse_value  # noqa: F401  (one parser: benchmarks use it)
 
 # Contended: other processes used more than this share of the machine's cores during the timed
 # part. The load average cannot say it alone: a benchmark's own threads (XLA's pool, 8 simulated
@@ -29,16 +30,6 @@ def diverged(baseline_loss: float, candidate_loss: float) -> bool:
     the baseline's."""
     return not math.isfinite(candidate_loss) or (
         math.isfinite(baseline_loss) and candidate_loss > baseline_loss * (1 + DIVERGED_LOSS_GAP))
-
-
-def parse_value(text: str) -> Any:
-    """A command-line value as a config field expects it: 4, 0.5, true, onebit_adam."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

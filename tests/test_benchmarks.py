@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import ROOT, child_env, tiny
+from conftest import ROOT, TINY_MODEL, child_env, tiny
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import compare  # noqa: E402  pylint: disable=wrong-import-position
@@ -163,6 +163,15 @@ SMOKE = {
                      "decode.json", {"rows", "speedup", "new_tokens", "prompt_len", "model",
                                      *LOAD_KEYS},
                      {"side", "seconds", "tokens_per_sec", "compile_s"}),
+    "plan_table": ("plan_table", ["--config", "configs/cpu_tiny.py", "--devices", "8",
+                                  "--measure", "2", "--steps", "1", "--rounds", "1",
+                                  *[f"--config.{k}={v}" for k, v in TINY_MODEL.items()],
+                                  "--config.data.seq_len=32", "--config.data.global_batch=8",
+                                  "--out", "{out}/plan.json"],
+                   "plan.json", {"rows", "spearman_rho", "mem_error_max", "profile",
+                                 *LOAD_KEYS},
+                   {"layout", "predicted_step_ms", "measured_step_ms", "model_mem_bytes",
+                    "compiled_mem_bytes", "mem_error"}),
     "fp8_hlo": ("fp8_hlo", ["--config", "configs/h100_fp8.py:smoke", "--out", "{out}/fp8.json"],
                 "fp8.json", {"config", "fp8_dots", "expected_fp8_dots", "high_precision_dots",
                              "fp8_gemm_shapes", "upcast_gemm_inputs",
@@ -228,6 +237,8 @@ DOCUMENTED = {
     "python benchmarks/decode_speed.py --config configs/cpu_tiny.py --new_tokens 256 "
     "--out benchmarks/results/decode_speed_cpu.json": "decode_speed",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke": "fp8_hlo",
+    "python benchmarks/plan_table.py --config configs/cpu_tiny.py --devices 8 --measure 12 "
+    "--out benchmarks/results/plan_cpu_tiny.json": "plan_table",
     "python benchmarks/fp8_hlo.py --config configs/h100_fp8.py:smoke "
     "--out benchmarks/results/fp8_hlo_smoke.json": "fp8_hlo",
 }

@@ -9,6 +9,7 @@ it read the file a second time.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import os
@@ -25,9 +26,10 @@ from dsjax.errors import ConfigError, unknown_choice
 def defaults() -> ml_collections.ConfigDict:
     """Every section with every field that has a default; config files start here."""
     return ml_collections.ConfigDict({
-        name: {f.name: f.default for f in dataclasses.fields(cls)
-               if f.default is not dataclasses.MISSING}
-        for name, cls in SECTIONS.items()})
+        **{name: {f.name: f.default for f in dataclasses.fields(cls)
+                  if f.default is not dataclasses.MISSING}
+           for name, cls in SECTIONS.items()},
+        "plan": Config.plan})
 
 
 def _build_section(name: str, cls: type, raw: Any) -> Any:
@@ -71,10 +73,21 @@ def _coerce(path: str, value: Any, type_name: Any) -> Any:
     return value
 
 
+def parse_value(text: str) -> Any:
+    """A command-line value as a config field expects it: 4, 0.5, true, onebit_adam."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def from_config_dict(raw: ml_collections.ConfigDict | dict, name: str = "config") -> Config:
     """Turns a ConfigDict (as loaded from `configs/NAME.py`) into a validated `Config`."""
     raw = dict(raw.to_dict() if isinstance(raw, ml_collections.ConfigDict) else raw)
     name = raw.pop("name", name)
+    plan = raw.pop("plan", Config.plan)
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ConfigError(unknown_choice("config section", unknown[0], sorted(SECTIONS),
@@ -82,7 +95,9 @@ def from_config_dict(raw: ml_collections.ConfigDict | dict, name: str = "config"
     if "model" not in raw:
         raise ConfigError("model: the config has no model section")
     sections = {key: _build_section(key, cls, raw.get(key)) for key, cls in SECTIONS.items()}
-    cfg = Config(name=name, **sections)
+    if not isinstance(plan, str):
+        raise ConfigError(f"plan: expected a string, got {plan!r}")
+    cfg = Config(name=name, plan=plan, **sections)
     validate(cfg)
     return cfg
 

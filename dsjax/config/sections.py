@@ -392,6 +392,9 @@ class Config:
     metrics: MetricsConfig
     vision: VisionConfig
     posttrain: PosttrainConfig
+    # auto: the mesh, schedule, recomputation and micro-batch come from the planner, for the
+    # devices this run has (launch.py; docs/planner.md); off: from the sections above
+    plan: str = "off"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -402,4 +405,5 @@ class Config:
 
 # section name -> its dataclass, in Config's order
 SECTIONS: dict[str, type] = {key: cls for key, cls in typing.get_type_hints(Config).items()
-                             if key != "name"}
+                             if key not in ("name", "plan")}
+PLAN_MODES = ("off", "auto")

@@ -13,7 +13,7 @@ import os
 
 from dsjax import remat
 from dsjax.config.compositions import compositions
-from dsjax.config.sections import (PIPELINE_SCHEDULES, PROJECTORS, VISION_TOWERS, Config,
+from dsjax.config.sections import (PIPELINE_SCHEDULES, PLAN_MODES, PROJECTORS, VISION_TOWERS, Config,
                                    ModelConfig, chunks_per_stage, global_view_tokens,
                                    trainable_groups, view_side)
 from dsjax.config.stages import RECIPE_STAGES, stage_config
@@ -53,6 +53,11 @@ def _bounds(section: str, values: object, positive: str = "", non_negative: str 
 def validate(cfg: Config) -> None:
     """Every config check but the one that needs the devices (`sharding.check_device_count`)."""
     _validate_settings(cfg)
+    one_of("plan", cfg.plan, PLAN_MODES, "mode")
+    if cfg.plan == "auto" and cfg.posttrain.recipe:
+        raise ConfigError("plan: auto plans one run's layout, and posttrain.recipe runs stages "
+                          "of their own; plan the model with `python -m dsjax.plan` and set "
+                          "the layout it prints")
     if cfg.checkpoint.init_from and not os.path.isdir(cfg.checkpoint.init_from):
         raise ConfigError(f"checkpoint.init_from: {cfg.checkpoint.init_from!r} is not a directory")
     validate_posttrain(cfg)
