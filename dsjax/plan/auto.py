@@ -65,7 +65,9 @@ def planned_config(cfg: Config, workdir: str, log: Callable[[str], None]
         record = best.record(prof)
         log(f"plan: {len(devices)} x {kind}: {_describe(record)}, predicted "
             f"{record['predicted_step_ms']:.1f} ms/step, "
-            f"{record['predicted_mem_bytes'] / 2**30:.3f} GiB per device")
+            f"{record['predicted_mem_bytes'] / 2**30:.3f} GiB per device"
+            + ("" if record["compiled"] else " (analytic only: no compiled plan fit; the run's "
+                                              "own memory check decides)"))
         if cached:
             log(f"plan: re-planned: {what_changed(cached, key, record)}; global batch "
                 f"{cfg.data.global_batch} and the data order are kept (the checkpoint is "

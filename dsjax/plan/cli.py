@@ -57,7 +57,7 @@ def table(result: Any, rows: int = 12) -> str:
     if len(result.plans) > rows:
         lines.append(f"   ... {len(result.plans) - rows} more fitting layouts (--out lists all)")
     lines.append(f"rejected {len(result.rejected)} of {result.considered} layouts:")
-    for why, count, example in result.reasons():
+    for why, count, example, _ in result.reasons():
         lines.append(f"  {count:>5} x {why}  (e.g. {example.describe()})")
     return "\n".join(lines)
 
@@ -92,16 +92,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{cfg.train.compute_dtype}; budget {result.budget_bytes / 2**30:.1f} GiB per device")
     print(table(result))
     best = result.plans[0]
-    print(f"best: {best.layout.describe()}; run it with:\n  python launch.py --config "
-          f"{args.config} {overrides_line(best)}")
+    proof = ("proved by compiling" if best.compiled else
+             "NOT proved: no compiled plan fit, this one fits by the analytic model only")
+    print(f"best: {best.layout.describe()} ({proof}); run it with:\n  python launch.py "
+          f"--config {args.config} {overrides_line(best)}")
     print(f"planned in {seconds:.0f} s")
     out = {"config": args.config, "overrides": args.overrides, "devices": args.devices,
            "device": prof.name, "profile": prof.__dict__, "hosts": hosts,
            "budget_bytes": result.budget_bytes, "considered": result.considered,
            "plan_seconds": seconds,
            "plans": [p.record(prof) for p in result.plans],
-           "rejected": [{"reason": why, "count": n, "example": ex.describe()}
-                        for why, n, ex in result.reasons()]}
+           "rejected": [{"reason": why, "count": n, "example": ex.describe(), "first": first}
+                        for why, n, ex, first in result.reasons()]}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:

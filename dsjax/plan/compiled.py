@@ -29,6 +29,18 @@ class Compiled:
     compile_s: float
 
 
+def cannot_compile_here(cfg: Config) -> str:
+    """Why XLA:CPU cannot compile `cfg`'s step ('' where it can): it aborts the process on a
+    half-precision gpipe or circular step (AllReducePromotion: "Invalid binary instruction opcode
+    copy", seen with bfloat16; 1f1b compiles)."""
+    if (jax.devices()[0].platform == "cpu" and cfg.mesh.pipeline > 1
+            and cfg.pipeline.schedule in ("gpipe", "circular")
+            and cfg.train.compute_dtype != "float32"):
+        return (f"XLA:CPU aborts compiling a {cfg.train.compute_dtype} {cfg.pipeline.schedule} "
+                f"step (AllReducePromotion)")
+    return ""
+
+
 def compile_layout(cfg: Config, backend: str) -> Compiled:
     """Compiles `cfg`'s first train step (its layout applied) on the first `cfg.mesh.size` of
     this process's devices, which must be that many. `backend` is the target's: an attention

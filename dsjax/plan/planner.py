@@ -8,11 +8,12 @@ import collections
 import dataclasses
 import math
 import re
+import statistics
 from typing import Any, Callable
 
 from dsjax.config import Config, ConfigError
 from dsjax.model.decoder import abstract_params
-from dsjax.plan.compiled import Compiled, compile_layout
+from dsjax.plan.compiled import Compiled, cannot_compile_here, compile_layout
 from dsjax.plan.estimate import Estimate, ParamTable, estimate
 from dsjax.plan.layouts import Layout, candidates
 from dsjax.plan.profiles import DeviceProfile
@@ -62,13 +63,13 @@ class Result:
     considered: int
     params: ParamTable
 
-    def reasons(self) -> list[tuple[str, int, Layout]]:
-        """(reason, how many layouts it rejected, one of them), most common first; a reason's
-        numbers are masked so that one rule is one line."""
-        groups: dict[str, list[Layout]] = collections.defaultdict(list)
+    def reasons(self) -> list[tuple[str, int, Layout, str]]:
+        """(reason with its numbers masked, how many layouts it rejected, the first of them, its
+        own reason), most common first: one rule is one line."""
+        groups: dict[str, list[tuple[Layout, str]]] = collections.defaultdict(list)
         for layout, why in self.rejected:
-            groups[_shape_of(why)].append(layout)
-        return sorted(((why, len(v), v[0]) for why, v in groups.items()),
+            groups[_shape_of(why)].append((layout, why))
+        return sorted(((masked, len(v), v[0][0], v[0][1]) for masked, v in groups.items()),
                       key=lambda r: -r[1])
 
 
@@ -95,6 +96,9 @@ def plan(cfg: Config, devices: int, prof: DeviceProfile, hosts: int = 1, top: in
         if why:
             rejected.append((layout, why))
             continue
+        if backend == "cpu" and cannot_compile_here(lcfg):  # it cannot run here either
+            rejected.append((layout, cannot_compile_here(lcfg)))
+            continue
         est = estimate(lcfg, layout, prof, params, backend)
         if est.mem_bytes > budget:
             rejected.append((layout, f"memory: predicted {est.mem_bytes / 2**30:.2f} GiB > "
@@ -105,11 +109,25 @@ def plan(cfg: Config, devices: int, prof: DeviceProfile, hosts: int = 1, top: in
     log(f"plan: {considered} layouts, {len(ranked)} predicted to fit "
         f"{budget / 2**30:.1f} GiB per device; compiling the best {min(top, len(ranked))}")
     proved: list[Plan] = []
-    tried = 0
-    while compile_fn is not None and len(proved) < top and tried < min(len(ranked), 3 * top):
-        candidate = ranked[tried]
-        tried += 1
+    tried: set[int] = set()
+    ratios: list[float] = []  # compiled / analytic memory of the plans compiled so far
+    while compile_fn is not None and len(proved) < top and len(tried) < 3 * top:
+        # The analytic model's error on this config, as measured so far, re-prunes the rest: the
+        # next plan compiled is the best one still predicted to fit once scaled by it (if none
+        # is, the best one left).
+        scale = max(1.0, statistics.median(ratios)) if ratios else 1.0
+        left = [i for i in range(len(ranked)) if i not in tried]
+        if not left:
+            break
+        i = next((i for i in left if ranked[i].model_mem_bytes * scale <= budget), left[0])
+        tried.add(i)
+        candidate = ranked[i]
+        problem = cannot_compile_here(candidate.cfg)
+        if problem:
+            log(f"  not compiled {candidate.layout.describe()}: {problem}")
+            continue
         done = prove(candidate, prof, params, backend, compile_fn).compiled
+        ratios.append(done.mem_bytes / candidate.model_mem_bytes)
         log(f"  compiled {candidate.layout.describe()}: {done.mem_bytes / 2**30:.3f} GiB "
             f"(model {candidate.model_mem_bytes / 2**30:.3f}), "
             f"{1000 * candidate.estimate.step_s:.1f} ms predicted, {done.compile_s:.1f} s")
@@ -120,12 +138,13 @@ def plan(cfg: Config, devices: int, prof: DeviceProfile, hosts: int = 1, top: in
         else:
             proved.append(candidate)
     proved.sort(key=lambda p: p.estimate.step_s)
-    rest = ranked[tried:]
+    rest = [p for p in ranked if p.compiled is None]
     if not proved and not rest:
         raise ConfigError(f"plan: no layout of {cfg.name} fits {devices} devices of "
                           f"{prof.name} ({budget / 2**30:.1f} GiB each): "
-                          + "; ".join(f"{why} ({n}x)" for why, n, _ in
-                                      Result([], rejected, prof, budget, considered, params).reasons()[:4]))
+                          + "; ".join(f"{why} ({n} layouts like this)" for _, n, _, why in
+                                      Result([], rejected, prof, budget, considered,
+                                             params).reasons()[:4]))
     return Result(proved + rest, rejected, prof, budget, considered, params)
 
 
