@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from dsjax.config.load import parse_value  # noqa: F401  (one parser: benchmarks use it)
+from dsjax.config.load import parse_value  # the one parser of command-line values
 
 # Contended: other processes used more than this share of the machine's cores during the timed
 # part. The load average cannot say it alone: a benchmark's own threads (XLA's pool, 8 simulated

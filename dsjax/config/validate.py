@@ -13,8 +13,8 @@ import os
 
 from dsjax import remat
 from dsjax.config.compositions import compositions
-from dsjax.config.sections import (PIPELINE_SCHEDULES, PLAN_MODES, PROJECTORS, VISION_TOWERS, Config,
-                                   ModelConfig, chunks_per_stage, global_view_tokens,
+from dsjax.config.sections import (PIPELINE_SCHEDULES, PLAN_MODES, PROJECTORS, VISION_TOWERS,
+                                   Config, ModelConfig, chunks_per_stage, global_view_tokens,
                                    trainable_groups, view_side)
 from dsjax.config.stages import RECIPE_STAGES, stage_config
 from dsjax.config.validate_fp8 import validate_fp8

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"--xla_force_host_platform_device_count)")
         prof = profiles.profile(args.device, args.devices, args.memory_gb)
         hosts = args.hosts or profiles.default_hosts(args.devices, args.device)
-        t0 = time.perf_counter()
+        load_before, t0 = list(os.getloadavg()), time.perf_counter()
         result = planner.plan(cfg, args.devices, prof, hosts, args.top,
                               backend="cpu" if args.device == "cpu" else "cuda")
     except ConfigError as e:
@@ -96,11 +96,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "NOT proved: no compiled plan fit, this one fits by the analytic model only")
     print(f"best: {best.layout.describe()} ({proof}); run it with:\n  python launch.py "
           f"--config {args.config} {overrides_line(best)}")
-    print(f"planned in {seconds:.0f} s")
+    print(f"planned in {seconds:.0f} s (load average {load_before[0]:.1f} -> "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     out = {"config": args.config, "overrides": args.overrides, "devices": args.devices,
            "device": prof.name, "profile": prof.__dict__, "hosts": hosts,
            "budget_bytes": result.budget_bytes, "considered": result.considered,
-           "plan_seconds": seconds,
+           "plan_seconds": seconds, "load_before": load_before,
+           "load_after": list(os.getloadavg()), "cores": os.cpu_count(),
            "plans": [p.record(prof) for p in result.plans],
            "rejected": [{"reason": why, "count": n, "example": ex.describe(), "first": first}
                         for why, n, ex, first in result.reasons()]}

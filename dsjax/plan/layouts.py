@@ -52,7 +52,7 @@ class Layout:
 
     def overrides(self) -> dict[str, Any]:
         """This layout as `--config.SECTION.FIELD=VALUE` overrides (dotted key -> value)."""
-        out = {"mesh.data": self.data, "mesh.tensor": self.tensor,
+        return {"mesh.data": self.data, "mesh.tensor": self.tensor,
                "mesh.pipeline": self.pipeline, "mesh.context": self.context,
                "mesh.fsdp": self.fsdp, "mesh.dcn_data": self.dcn_data,
                "mesh.dcn_pipeline": self.dcn_pipeline,
@@ -60,7 +60,6 @@ class Layout:
                "pipeline.schedule": self.schedule, "pipeline.microbatches": self.microbatches,
                "pipeline.repeats": self.repeats, "remat.policy": self.remat,
                "remat.layers": self.remat_layers, "batch.micro_batch": self.micro_batch}
-        return out
 
     def describe(self) -> str:
         parts = [f"d{self.data} t{self.tensor} p{self.pipeline}"]
@@ -89,18 +88,14 @@ def of_config(cfg: Config, hosts: int = 1) -> Layout:
 
 
 def apply(cfg: Config, layout: Layout) -> Config:
-    """`cfg` with `layout`'s fields, validated (ConfigError: why it cannot run)."""
-    mesh = dataclasses.replace(cfg.mesh, data=layout.data, tensor=layout.tensor,
-                               pipeline=layout.pipeline, context=layout.context,
-                               fsdp=layout.fsdp, dcn_data=layout.dcn_data,
-                               dcn_pipeline=layout.dcn_pipeline)
-    out = dataclasses.replace(
-        cfg, mesh=mesh,
-        model=dataclasses.replace(cfg.model, expert_parallel=layout.expert_parallel),
-        pipeline=dataclasses.replace(cfg.pipeline, schedule=layout.schedule,
-                                     microbatches=layout.microbatches, repeats=layout.repeats),
-        remat=dataclasses.replace(cfg.remat, policy=layout.remat, layers=layout.remat_layers),
-        batch=dataclasses.replace(cfg.batch, micro_batch=layout.micro_batch))
+    """`cfg` with `layout`'s fields (its `overrides()`), validated (ConfigError: why it cannot
+    run)."""
+    fields: dict[str, dict[str, Any]] = {}
+    for dotted, value in layout.overrides().items():
+        section, name = dotted.split(".")
+        fields.setdefault(section, {})[name] = value
+    out = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **f)
+                                      for section, f in fields.items()})
     validate(out)
     return out
 

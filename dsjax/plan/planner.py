@@ -96,8 +96,9 @@ def plan(cfg: Config, devices: int, prof: DeviceProfile, hosts: int = 1, top: in
         if why:
             rejected.append((layout, why))
             continue
-        if backend == "cpu" and cannot_compile_here(lcfg):  # it cannot run here either
-            rejected.append((layout, cannot_compile_here(lcfg)))
+        problem = cannot_compile_here(lcfg) if backend == "cpu" else ""
+        if problem:  # the target is this CPU: it cannot run here either
+            rejected.append((layout, problem))
             continue
         est = estimate(lcfg, layout, prof, params, backend)
         if est.mem_bytes > budget:
